@@ -1,0 +1,73 @@
+"""``raylift VERB ...``: parses arguments and calls into the package; no logic of its own."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from raylift.config import ConfigError, dump_config, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="path to a YAML config, e.g. configs/quickstart.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="dotted overrides, e.g. optim.lr=1e-3 scaling.num_workers=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylift", description=__doc__)
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    _config_args(verbs.add_parser("train", help="one training run on local Ray or RAY_ADDRESS"))
+    _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
+    return parser
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(dump_config(cfg), end="")
+    return EXIT_OK
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from raylift.launch import RunFailed, train
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        result = train(cfg)
+    except RunFailed as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(result.metrics.items())
+                      if k.startswith(("val_", "train_")))
+    print(f"raylift: run {result.name!r} finished in {result.seconds:.0f} s at step "
+          f"{int(result.metrics.get('step', 0))}: {shown}")
+    print(f"raylift: checkpoint {result.checkpoint}")
+    print(f"raylift: MLflow run {result.run_id} in {result.tracking_uri}")
+    return EXIT_OK
+
+
+COMMANDS = {"train": cmd_train, "validate": cmd_validate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # `task: mypkg.mod:Class` resolves from the current folder, as `python -m` would.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return COMMANDS[args.verb](args)
+    except ConfigError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("raylift: interrupted; rerun the same command to resume from the latest checkpoint",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,427 @@
+"""Typed run configuration: YAML + dotted overrides, validated once, every problem at once.
+
+Each section is a small dataclass that checks its own values in ``problems()``;
+``load_config`` builds them from a plain dict, collecting unknown keys, wrong
+types and bad values into a single :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
+STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
+# Strategies whose engines exist in this version; the rest are refused at load time.
+IMPLEMENTED_STRATEGIES = ("ddp",)
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("cosine", "constant")
+
+
+class ConfigError(ValueError):
+    """A config with one or more problems; ``problems`` lists each as 'key: what is wrong'."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    batch_size: int = 64
+    eval_batch_size: int | None = None
+    prefetch_batches: int = 4
+    shuffle_buffer: int = 0
+    shards: str | None = None
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "batch_size", "data")
+        if self.eval_batch_size is not None:
+            out += _positive(self, "eval_batch_size", "data")
+        if self.prefetch_batches < 0:
+            out.append("data.prefetch_batches: must be >= 0 (0 turns prefetching off)")
+        if self.shuffle_buffer < 0:
+            out.append("data.shuffle_buffer: must be >= 0 (0 turns local shuffling off)")
+        return out
+
+
+@dataclasses.dataclass
+class ScalingConfig:
+    num_workers: int | list[int] = 2
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+
+    @property
+    def min_workers(self) -> int:
+        return self.num_workers[0] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        return self.num_workers[-1] if isinstance(self.num_workers, list) else self.num_workers
+
+    @property
+    def elastic(self) -> bool:
+        return isinstance(self.num_workers, list)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        n = self.num_workers
+        if isinstance(n, list):
+            if len(n) != 2 or not all(isinstance(v, int) for v in n):
+                return ["scaling.num_workers: an elastic range is [min, max], two integers"]
+            if n[0] < 1:
+                out.append("scaling.num_workers: min must be >= 1")
+            if n[0] > n[1]:
+                out.append(f"scaling.num_workers: min ({n[0]}) is greater than max ({n[1]})")
+        elif n < 1:
+            out.append(f"scaling.num_workers: must be >= 1, got {n}")
+        if self.cpus_per_worker <= 0:
+            out.append("scaling.cpus_per_worker: must be > 0 (fractions such as 0.5 are fine)")
+        return out
+
+
+@dataclasses.dataclass
+class StrategyConfig:
+    name: str = "ddp"
+    find_unused_parameters: bool = False
+    bucket_cap_mb: float = 25.0
+
+    def problems(self) -> list[str]:
+        if self.name not in STRATEGIES:
+            return [f"strategy.name: unknown strategy {self.name!r}; choose one of {STRATEGIES}"]
+        if self.name not in IMPLEMENTED_STRATEGIES:
+            return [
+                f"strategy.name: {self.name!r} is not available in this version of raylift; "
+                f"use one of {IMPLEMENTED_STRATEGIES}"
+            ]
+        if self.bucket_cap_mb <= 0:
+            return ["strategy.bucket_cap_mb: must be > 0"]
+        return []
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3.0e-4
+    weight_decay: float = 0.0
+    betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
+    momentum: float = 0.9
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.name not in OPTIMIZERS:
+            out.append(f"optim.name: unknown optimizer {self.name!r}; choose one of {OPTIMIZERS}")
+        if self.lr <= 0:
+            out.append(f"optim.lr: must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            out.append(f"optim.weight_decay: must be >= 0, got {self.weight_decay}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            out.append("optim.betas: two numbers in [0, 1), e.g. [0.9, 0.999]")
+        if self.warmup_steps < 0:
+            out.append("optim.warmup_steps: must be >= 0")
+        if self.schedule not in SCHEDULES:
+            out.append(f"optim.schedule: unknown schedule {self.schedule!r}; choose {SCHEDULES}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            out.append("optim.min_lr_ratio: must be in [0, 1]")
+        return out
+
+
+@dataclasses.dataclass
+class EarlyStoppingConfig:
+    monitor: str = "val_loss"
+    mode: str = "min"
+    patience: int = 3
+    min_delta: float = 0.0
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.mode not in ("min", "max"):
+            out.append(f"train.early_stopping.mode: must be 'min' or 'max', got {self.mode!r}")
+        if self.patience < 1:
+            out.append("train.early_stopping.patience: must be >= 1")
+        if self.min_delta < 0:
+            out.append("train.early_stopping.min_delta: must be >= 0")
+        return out
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    max_epochs: int = 10
+    max_steps: int | None = None
+    grad_accum: int = 1
+    grad_clip: float | None = None
+    early_stopping: EarlyStoppingConfig | None = None
+    seed: int = 0
+    eval_every_n_steps: int | None = None
+    log_every_n_steps: int = 10
+    compile: bool = False
+    max_failures: int = 0
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "max_epochs", "train") + _positive(self, "grad_accum", "train")
+        out += _positive(self, "log_every_n_steps", "train")
+        for key in ("max_steps", "eval_every_n_steps"):
+            if getattr(self, key) is not None:
+                out += _positive(self, key, "train")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            out.append("train.grad_clip: must be > 0, or null to turn clipping off")
+        if self.max_failures < -1:
+            out.append("train.max_failures: must be >= 0, or -1 for unlimited retries")
+        return out
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    every_n_steps: int | None = 200
+    keep: int | None = 3
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            out.append("checkpoint.every_n_steps: must be >= 1, or null for end-of-run only")
+        if self.keep is not None and self.keep < 1:
+            out.append("checkpoint.keep: must be >= 1, or null to keep every checkpoint")
+        return out
+
+
+@dataclasses.dataclass
+class TrackingConfig:
+    uri: str | None = None
+    experiment: str = "raylift"
+
+    def problems(self) -> list[str]:
+        return [] if self.experiment else ["tracking.experiment: must be a non-empty name"]
+
+
+@dataclasses.dataclass
+class Config:
+    name: str = "raylift-run"
+    task: str = "digits"
+    task_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    precision: str = "32"
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
+    storage: str = "./runs"
+    # Validated by `raylift tune`; other commands carry it untouched.
+    tune: dict[str, Any] | None = None
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if not self.name or "/" in self.name:
+            out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
+        if self.precision not in PRECISIONS:
+            out.append(f"precision: unknown precision {self.precision!r}; choose one of {PRECISIONS}")
+        if not self.storage:
+            out.append("storage: must be a local path or a URI such as s3://bucket/runs")
+        from raylift.tasks import task_problems  # late: tasks import torch
+
+        return out + task_problems(self.task, self.task_args)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- building from dicts
+
+
+def _positive(obj: Any, key: str, section: str) -> list[str]:
+    value = getattr(obj, key)
+    return [] if value >= 1 else [f"{section}.{key}: must be >= 1, got {value}"]
+
+
+def _type_name(tp: Any) -> str:
+    names = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}
+    if tp in names:
+        return names[tp]
+    origin = typing.get_origin(tp)
+    if origin in (list, Sequence):
+        return "a list"
+    if origin in (dict, Mapping):
+        return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return str(tp)
+
+
+def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        section = next((o for o in options if dataclasses.is_dataclass(o)), None)
+        if section is not None and isinstance(value, Mapping):
+            return _coerce(value, section, key, problems)  # its own problems, by key
+        for opt in options:
+            if opt is type(None):
+                continue
+            trial: list[str] = []
+            out = _coerce(value, opt, key, trial)
+            if not trial:
+                return out
+        wanted = " or ".join(_type_name(o) for o in options if o is not type(None))
+        nullable = ", or null" if type(None) in options else ""
+        problems.append(f"{key}: expected {wanted}{nullable}, got {value!r}")
+        return None
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return _build(tp, value, key, problems)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp) or (Any,)
+        if not isinstance(value, list):
+            problems.append(f"{key}: expected a list, got {value!r}")
+            return None
+        return [_coerce(v, item_tp, f"{key}[{i}]", problems) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            problems.append(f"{key}: expected a mapping, got {value!r}")
+            return None
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads `1e-3` (no dot) as a string; accept it as the number it is.
+        with contextlib.suppress(ValueError):
+            return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)  # `precision: 32` is written as a number in YAML
+    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+        problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return None
+    return value
+
+
+def _build(cls: Any, raw: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            problems.append(_unknown_key(full, str(key), fields))
+            continue
+        field_problems: list[str] = []
+        coerced = _coerce(value, hints[key], full, field_problems)
+        problems.extend(field_problems)
+        if not field_problems:
+            kwargs[key] = coerced
+    # Fields that failed keep their defaults, so the remaining checks still run and
+    # the user sees every problem in one pass.
+    obj = cls(**kwargs)
+    problems.extend(obj.problems())
+    return obj
+
+
+def _unknown_key(full: str, key: str, allowed: Iterable[str]) -> str:
+    allowed = sorted(allowed)
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{full}: unknown key{hint}; allowed keys here: {', '.join(allowed)}"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Turn ``a.b=1`` strings into a nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    problems: list[str] = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            problems.append(f"{item}: an override is key=value, e.g. optim.lr=1e-3")
+            continue
+        try:
+            value = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:
+            value = text
+        node = tree
+        parts = key.split(".")
+        for part in parts[:-1]:
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                nxt = node[part] = {}
+            node = nxt
+        node[parts[-1]] = value
+    return tree, problems
+
+
+def merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; ``update`` wins. Neither input is modified."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
+    p = Path(path)
+    if not p.is_file():
+        return {}, [f"{path}: config file not found; pass the path to a YAML file, e.g. configs/quickstart.yaml"]
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        return {}, [f"{path}: not valid YAML ({exc})"]
+    if not isinstance(raw, dict):
+        return {}, [f"{path}: the top level must be a mapping of config keys"]
+    return raw, []
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, raw, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    return typing.cast(Config, cfg)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load ``path``, apply ``key=value`` overrides and validate; raises :class:`ConfigError`."""
+    raw, problems = read_yaml(path)
+    tree, override_problems = parse_overrides(overrides)
+    problems += override_problems
+    if problems:
+        raise ConfigError(problems)
+    return config_from_dict(merge(raw, tree))
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{full}."))
+        else:
+            out[full] = value
+    return out
+

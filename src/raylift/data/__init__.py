@@ -1,0 +1,1 @@
+"""Data: Ray Data datasets built from a task, and the per-worker batch sources."""

@@ -1,0 +1,227 @@
+"""Config -> Ray Train ``TorchTrainer`` -> fit. The driver side of ``raylift train``."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from raylift import tracking
+from raylift.config import Config, config_from_dict
+
+# Environment every Ray process of a raylift run gets.
+WORKER_ENV = {
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    # Ray Train collects reports by polling; 2 s per poll would stall every epoch-end report.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+    "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
+    # Quiet by default: raylift prints its own progress lines; Ray's go to its log files.
+    "RAY_DATA_LOG_LEVEL": "ERROR",
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+    "PYTHONWARNINGS": "ignore::DeprecationWarning",
+}
+
+
+class RunFailed(RuntimeError):
+    """The training run ended in an error; the message says where and why."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+    name: str
+    metrics: dict[str, float]
+    checkpoint: str | None
+    run_id: str
+    tracking_uri: str
+    seconds: float
+
+
+# ---------------------------------------------------------------- driver
+
+
+def resolve_storage(storage: str) -> str:
+    """Ray wants an absolute path for local storage; URIs (s3://, gs://) pass through."""
+    if "://" in storage:
+        return storage
+    return str(Path(storage).expanduser().resolve())
+
+
+def local_num_cpus(cfg: Config) -> int:
+    # Ray Data's split coordinator and iterators need CPU slots beside the Train workers.
+    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 1
+    return max(os.cpu_count() or 1, needed)
+
+
+def connect_ray(cfg: Config) -> None:
+    """Join ``RAY_ADDRESS`` if set, else start a private local Ray for this run."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = dict(WORKER_ENV)
+    # User tasks given as module:Class import from the current folder, as they would in Python.
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING,
+                 log_to_driver=True)
+        return
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
+    os.environ.update(env)  # the local raylet, and so every worker, inherits these
+    # The dashboard serves the State API, which Train uses to free placement groups; it
+    # listens on 127.0.0.1 only.
+    ray.init(address="local", num_cpus=local_num_cpus(cfg), include_dashboard=True,
+             dashboard_host="127.0.0.1", logging_level=logging.WARNING, log_to_driver=True)
+
+
+def run_exists(storage: str, name: str) -> bool:
+    """True when a previous run under this name left checkpoints to resume from."""
+    if "://" in storage:
+        return False  # remote storage: Ray Train decides, MLflow starts a fresh run
+    return any((Path(storage) / name).glob("checkpoint-step*"))
+
+
+def build_trainer(cfg: Config, storage: str, payload: dict[str, Any], datasets: dict) -> Any:
+    from ray.train import (
+        CheckpointConfig,
+        FailureConfig,
+        LoggingConfig,
+        RunConfig,
+        ScalingConfig,
+    )
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    sc = cfg.scaling
+    resources: dict[str, float] = {"CPU": sc.cpus_per_worker}
+    if sc.use_gpu:
+        resources["GPU"] = 1
+    workers: int | tuple[int, int] = (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
+    return TorchTrainer(
+        worker_main,
+        train_loop_config=payload,
+        torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(
+            name=cfg.name,
+            storage_path=storage,
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            worker_runtime_env={"env_vars": dict(WORKER_ENV)},
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+        datasets=datasets,
+    )
+
+
+def train(cfg: Config, log: Any = print) -> TrainResult:
+    """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails."""
+    from raylift.data.sources import build_datasets
+    from raylift.tasks import build_task
+
+    started = time.perf_counter()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    storage = resolve_storage(cfg.storage)
+    connect_ray(cfg)
+    import ray
+
+    resume = run_exists(storage, cfg.name)
+    uri = tracking.tracking_uri(cfg)
+    log(f"raylift: run {cfg.name!r} -> {storage}/{cfg.name}  "
+        f"({'resuming from its latest checkpoint' if resume else 'new run'})")
+    log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
+    task = build_task(cfg.task, cfg.task_args)
+    datasets, counts = build_datasets(task, int(ray.cluster_resources().get("CPU", 1)))
+    log(f"raylift: data {counts} rows; {cfg.scaling.num_workers} worker(s), "
+        f"strategy {cfg.strategy.name}, precision {cfg.precision}")
+    run_id = tracking.start_run(cfg, storage, resume, cfg.scaling.min_workers)
+    payload = {"config": cfg.to_dict(), "rows": counts, "run_id": run_id, "tracking_uri": uri}
+    status, tags = "FAILED", {}
+    try:
+        result = build_trainer(cfg, storage, payload, datasets).fit()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except Exception as exc:
+        raise RunFailed(_failure_message(exc, cfg)) from exc
+    finally:
+        if status != "FINISHED":
+            tracking.end_run(uri, run_id, status)
+    ckpt = result.checkpoint.path if result.checkpoint else None
+    if ckpt:
+        tags["raylift.final_checkpoint"] = ckpt
+    tracking.end_run(uri, run_id, status, tags)
+    metrics = {k: float(v) for k, v in (result.metrics or {}).items()
+               if isinstance(v, (int, float))}
+    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
+
+
+def _failure_message(exc: BaseException, cfg: Config) -> str:
+    root: BaseException = exc
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = str(root).strip().splitlines()
+    detail = text[-1] if text else type(root).__name__
+    return (f"training run {cfg.name!r} failed: {detail}\n"
+            f"  the full worker traceback is above; fix the cause and rerun the same command "
+            f"to resume from the latest checkpoint")
+
+
+# ---------------------------------------------------------------- workers
+
+
+def worker_main(payload: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    from raylift.data.ingest import RayShardSource
+    from raylift.loop import NullTracker, Trainer, WorkerContext
+    from raylift.tasks import build_task
+
+    cfg = config_from_dict(payload["config"])
+    # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
+    logging.getLogger().setLevel(logging.WARNING)
+    rt = ray.train.get_context()
+    rank, world = rt.get_world_rank(), rt.get_world_size()
+    device = ray.train.torch.get_device()
+    d = cfg.data
+    source = RayShardSource(
+        rows=payload["rows"]["train"], world_size=world, batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or d.batch_size, prefetch_batches=d.prefetch_batches,
+        shuffle_buffer=d.shuffle_buffer, seed=cfg.train.seed, pin_memory=device.type == "cuda",
+    )
+    tracker = (tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"]) if rank == 0
+               else NullTracker())
+    ctx = WorkerContext(rank=rank, world_size=world, device=device, source=source,
+                        reporter=RayReporter(), tracker=tracker, log=_print0(rank))
+    trainer = Trainer(cfg, build_task(cfg.task, cfg.task_args), ctx)
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            trainer.restore(Path(directory))
+    trainer.run()
+
+
+class RayReporter:
+    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+        import ray.train
+
+        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
+
+
+def _print0(rank: int) -> Any:
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    return log
+

@@ -1,0 +1,321 @@
+"""The per-worker training loop: accumulate, step, log, evaluate, stop early, checkpoint.
+
+It runs the same way under Ray Train and in a plain process group: everything
+environment-specific (where batches come from, where checkpoints and metrics go)
+arrives through :class:`WorkerContext`. The loop never calls ``.item()`` per step:
+losses accumulate on the device and are synced once per logging interval.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from raylift.checkpoint import load_checkpoint, save_checkpoint
+from raylift.config import Config, EarlyStoppingConfig
+from raylift.data.ingest import BatchSource, to_device
+from raylift.optim import build_scheduler
+from raylift.precision import resolve_precision
+from raylift.strategies import Engine, build_engine
+from raylift.tasks.base import Batch, Task, blocks_of, tokens_per_sample
+
+
+class Reporter(Protocol):
+    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+        """Called by every rank at the same points (Ray's report is a barrier)."""
+        ...
+
+
+class Tracker(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+class NullTracker:
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    source: BatchSource
+    reporter: Reporter
+    tracker: Tracker = dataclasses.field(default_factory=NullTracker)
+    log: Callable[[str], None] = print
+
+
+@dataclasses.dataclass
+class LoopState:
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed: the data position
+    samples: int = 0  # global samples trained on
+    best: float | None = None  # early stopping
+    bad_evals: int = 0
+    stopped_early: bool = False
+    last_ckpt_step: int = -1
+
+
+@dataclasses.dataclass
+class Interval:
+    """Device-side running sums for one logging interval."""
+
+    loss_sum: torch.Tensor
+    micro_batches: int = 0
+    samples: int = 0
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    paused: float = 0.0  # seconds spent in eval and checkpoints, kept out of throughput
+
+    def elapsed(self) -> float:
+        return max(time.perf_counter() - self.started - self.paused, 1e-9)
+
+    @classmethod
+    def fresh(cls, device: torch.device) -> Interval:
+        return cls(torch.zeros((), device=device, dtype=torch.float32))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def early_stop_update(state: LoopState, metrics: dict[str, float],
+                      cfg: EarlyStoppingConfig) -> bool:
+    """Record one evaluation; True when ``patience`` evaluations passed without improvement."""
+    if cfg.monitor not in metrics:
+        raise ValueError(f"train.early_stopping.monitor: {cfg.monitor!r} is not a metric of this "
+                         f"run; choose one of {sorted(metrics)}")
+    value = metrics[cfg.monitor]
+    better = (state.best is None
+              or (value < state.best - cfg.min_delta if cfg.mode == "min"
+                  else value > state.best + cfg.min_delta))
+    if better:
+        state.best, state.bad_evals = value, 0
+    else:
+        state.bad_evals += 1
+    return state.bad_evals >= cfg.patience
+
+
+def apply_compile(model: torch.nn.Module, task: Task) -> None:
+    """Compile each repeated block where the task names them (fast to build), else the model."""
+    blocks = blocks_of(task, model)
+    for block in blocks or [model]:
+        block.compile()
+
+
+class Trainer:
+    """One worker's run. ``run()`` returns the last metrics it reported."""
+
+    def __init__(self, cfg: Config, task: Task, ctx: WorkerContext):
+        self.cfg, self.task, self.ctx = cfg, task, ctx
+        self.precision = resolve_precision(cfg.precision)
+        seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        model = task.build_model()
+        if cfg.train.compile:
+            apply_compile(model, task)
+        self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device)
+        seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
+        self.accum = cfg.train.grad_accum
+        self.micro_per_epoch = ctx.source.micro_batches_per_epoch()
+        if self.micro_per_epoch < self.accum:
+            raise ValueError(
+                f"data.batch_size x train.grad_accum ({cfg.data.batch_size} x {self.accum}) needs "
+                f"more rows per worker than one epoch has ({self.micro_per_epoch} batches); "
+                "lower data.batch_size or train.grad_accum, or use fewer workers"
+            )
+        self.steps_per_epoch = self.micro_per_epoch // self.accum
+        self.total_steps = self._total_steps()
+        self.scheduler = build_scheduler(self.engine.optimizer, cfg.optim, self.total_steps)
+        self.global_batch = cfg.data.batch_size * self.accum * ctx.world_size
+        self.tokens_per_sample = tokens_per_sample(task)
+        self.state = LoopState()
+        self.last_metrics: dict[str, float] = {}
+        self.interval = Interval.fresh(ctx.device)
+
+    def _total_steps(self) -> int:
+        by_epochs = self.cfg.train.max_epochs * self.steps_per_epoch
+        return min(by_epochs, self.cfg.train.max_steps or by_epochs)
+
+    # ------------------------------------------------------------ state
+
+    def loop_state(self) -> dict[str, Any]:
+        return {
+            "loop": dataclasses.asdict(self.state),
+            "scheduler": self.scheduler.state_dict(),
+            "strategy": self.cfg.strategy.name,
+            "world_size": self.ctx.world_size,
+            "global_batch": self.global_batch,
+        }
+
+    def restore(self, directory: Path) -> None:
+        saved = load_checkpoint(directory, self.engine, self.ctx.rank, self.cfg.strategy.name)
+        self.state = LoopState(**saved["loop"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.ctx.log(f"resumed from {directory} at step {self.state.step} "
+                     f"(epoch {self.state.epoch}, batch {self.state.batch_in_epoch})")
+
+    # ------------------------------------------------------------ run
+
+    def run(self) -> dict[str, float]:
+        train_cfg = self.cfg.train
+        self.engine.model.train()
+        if self.state.step == 0:
+            self._evaluate_and_report()  # the untrained baseline, so every curve has a start
+        while not self._finished():
+            self._train_epoch()
+            if self.state.step >= self.total_steps or self.state.stopped_early:
+                break
+            self.state.epoch += 1
+            self.state.batch_in_epoch = 0
+        if self.last_metrics.get("step") != float(self.state.step):
+            self._evaluate_and_report()
+        if self.state.step > self.state.last_ckpt_step:
+            self.checkpoint(self.last_metrics)
+        if self.state.stopped_early:
+            self.ctx.log(f"early stopping at step {self.state.step}: "
+                         f"{train_cfg.early_stopping.monitor if train_cfg.early_stopping else ''}"
+                         f" did not improve for {self.state.bad_evals} evaluations")
+        return self.last_metrics
+
+    def _finished(self) -> bool:
+        return (self.state.epoch >= self.cfg.train.max_epochs
+                or self.state.step >= self.total_steps or self.state.stopped_early)
+
+    def _batches(self) -> Iterator[Batch]:
+        """This epoch's micro-batches from the saved data position, whole accumulation groups only."""
+        usable = self.steps_per_epoch * self.accum
+        for i, batch in enumerate(self.ctx.source.train_batches(self.state.epoch)):
+            if i >= usable:
+                return
+            if i >= self.state.batch_in_epoch:
+                yield batch
+
+    def _train_epoch(self) -> None:
+        for batch in self._batches():
+            self._micro_step(batch)
+            if self.state.batch_in_epoch % self.accum:
+                continue
+            self._after_step()
+            if self.state.step >= self.total_steps or self.state.stopped_early:
+                return
+        self._evaluate_and_report()
+
+    def _micro_step(self, raw: Batch) -> None:
+        batch = self.task.finish(to_device(raw, self.ctx.device), self.precision.input_dtype)
+        last = (self.state.batch_in_epoch + 1) % self.accum == 0
+        with self.engine.sync(last):
+            with self.engine.autocast():
+                loss = self.task.loss(self.engine.model, batch)
+            self.engine.backward(loss / self.accum)
+        self.interval.loss_sum += loss.detach().float()
+        self.interval.micro_batches += 1
+        self.state.batch_in_epoch += 1
+
+    def _after_step(self) -> None:
+        self.engine.step()
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.samples += self.global_batch
+        self.interval.samples += self.global_batch
+        step, train_cfg = self.state.step, self.cfg.train
+        if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
+            self._log_interval(self.interval)
+            self.interval = Interval.fresh(self.ctx.device)
+        if train_cfg.eval_every_n_steps and step % train_cfg.eval_every_n_steps == 0:
+            self._evaluate_and_report()
+        every = self.cfg.checkpoint.every_n_steps
+        if every and step % every == 0 and step != self.state.last_ckpt_step:
+            self.checkpoint(self.last_metrics)
+
+    # ------------------------------------------------------------ metrics
+
+    def _log_interval(self, interval: Interval) -> None:
+        if interval.micro_batches == 0:
+            return
+        # The one host sync of the interval: mean loss over ranks and micro-batches.
+        packed = torch.stack([interval.loss_sum,
+                              torch.tensor(float(interval.micro_batches), device=self.ctx.device)])
+        loss_sum, count = all_reduce_sum(packed).tolist()
+        elapsed = interval.elapsed()
+        metrics = {
+            "train_loss": loss_sum / count,
+            "lr": self.scheduler.get_last_lr()[0],
+            "samples_per_s": interval.samples / elapsed,
+            "epoch": float(self.state.epoch),
+        }
+        if self.tokens_per_sample:
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
+        self.ctx.tracker.log_metrics(metrics, self.state.step)
+        self._print_line(metrics, elapsed / max(interval.samples / self.global_batch, 1))
+
+    def _print_line(self, m: dict[str, float], step_time: float) -> None:
+        eta = (self.total_steps - self.state.step) * step_time
+        tok = f"  {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
+        self.ctx.log(
+            f"epoch {self.state.epoch:>3}  step {self.state.step:>6}/{self.total_steps}  "
+            f"loss {m['train_loss']:.4f}  lr {m['lr']:.2e}  {m['samples_per_s']:,.0f} samples/s"
+            f"{tok}  eta {_fmt_time(eta)}"
+        )
+
+    @torch.inference_mode()
+    def evaluate(self) -> dict[str, float]:
+        model = self.engine.eval_model
+        model.eval()
+        sums: dict[str, torch.Tensor] = {}
+        for raw in self.ctx.source.eval_batches():
+            batch = self.task.finish(to_device(raw, self.ctx.device), self.precision.input_dtype)
+            with self.engine.autocast():
+                for key, value in self.task.eval_sums(model, batch).items():
+                    sums[key] = sums.get(key, 0) + value.double()
+        model.train()
+        keys = sorted(sums)
+        totals = all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist() if keys else []
+        return self.task.summarize(dict(zip(keys, totals, strict=True)))
+
+    def _evaluate_and_report(self) -> None:
+        started = time.perf_counter()
+        metrics = self.evaluate()
+        es = self.cfg.train.early_stopping
+        if es is not None and early_stop_update(self.state, metrics, es):
+            self.state.stopped_early = True
+        metrics = {**metrics, "epoch": float(self.state.epoch), "step": float(self.state.step)}
+        self.last_metrics = metrics
+        self.ctx.tracker.log_metrics(metrics, self.state.step)
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
+        self.ctx.log(f"epoch {self.state.epoch:>3}  step {self.state.step:>6}  eval  {shown}")
+        self.ctx.reporter.report(metrics, None, None)
+        self.interval.paused += time.perf_counter() - started
+
+    def checkpoint(self, metrics: dict[str, float]) -> None:
+        started = time.perf_counter()
+        self.state.last_ckpt_step = self.state.step
+        with tempfile.TemporaryDirectory(prefix="raylift-ckpt-") as tmp:
+            save_checkpoint(Path(tmp), self.engine, self.loop_state(), self.ctx.rank)
+            name = f"checkpoint-step{self.state.step:08d}"
+            self.ctx.reporter.report({**metrics, "step": float(self.state.step)}, Path(tmp), name)
+        self.interval.paused += time.perf_counter() - started
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -1,0 +1,29 @@
+"""Strategies turn (model, config, precision, device) into an :class:`Engine`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from raylift.config import Config
+from raylift.precision import Precision
+from raylift.strategies.base import Engine, TorchEngine
+from raylift.strategies.ddp import build_ddp
+
+Builder = Callable[[nn.Module, Config, Precision, torch.device], Engine]
+
+BUILDERS: dict[str, Builder] = {"ddp": build_ddp}
+
+__all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]
+
+
+def build_engine(model: nn.Module, cfg: Config, precision: Precision,
+                 device: torch.device) -> Engine:
+    try:
+        builder = BUILDERS[cfg.strategy.name]
+    except KeyError:
+        raise ValueError(f"strategy.name: {cfg.strategy.name!r} has no engine; "
+                         f"choose one of {sorted(BUILDERS)}") from None
+    return builder(model, cfg, precision, device)

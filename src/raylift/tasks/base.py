@@ -1,0 +1,65 @@
+"""The Task protocol: what a user writes to bring a model and its data to raylift.
+
+A task knows nothing about strategies, precision, Ray or MLflow. Its pieces run in
+three places:
+
+- ``sources`` and ``preprocess`` run offline in Ray Data (``map_batches``) on numpy
+  columns, and should leave data compact (uint8 images, small-int tokens);
+- ``finish`` runs on the worker's device on each batch (dtype casts, normalisation);
+- ``build_model``, ``loss`` and ``eval_sums`` run in the training loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+Columns = dict[str, np.ndarray]
+Batch = dict[str, torch.Tensor]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A model plus its data. Constructed as ``TaskClass(**task_args)``."""
+
+    def build_model(self) -> nn.Module:
+        """A fresh model in fp32 on the CPU; raylift moves, wraps and casts it."""
+        ...
+
+    def sources(self) -> dict[str, Columns]:
+        """Raw data per split (``train`` and ``val``) as numpy columns of equal length."""
+        ...
+
+    def preprocess(self, batch: Columns) -> Columns:
+        """Offline, in Ray Data: raw columns -> the compact columns training reads."""
+        ...
+
+    def finish(self, batch: Batch, dtype: torch.dtype) -> Batch:
+        """On the device: turn stored columns into model inputs of floating ``dtype``."""
+        ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """Scalar mean training loss of ``batch``."""
+        ...
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-batch sums (0-d tensors) that add up across batches and ranks; must hold ``count``."""
+        ...
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        """Totals from ``eval_sums`` -> metrics, e.g. ``val_loss`` and ``val_acc``."""
+        ...
+
+
+def blocks_of(task: object, model: nn.Module) -> list[nn.Module]:
+    """The task's repeated blocks (transformer layers), if it names them; [] otherwise."""
+    fn = getattr(task, "blocks", None)
+    return list(fn(model)) if callable(fn) else []
+
+
+def tokens_per_sample(task: object) -> int:
+    """Tokens in one training sample, for ``tokens_per_s``; 0 for tasks that are not token models."""
+    return int(getattr(task, "tokens_per_sample", 0) or 0)

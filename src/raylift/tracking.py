@@ -1,0 +1,112 @@
+"""MLflow: one run per training run, created by the driver, written to by rank 0 only.
+
+A rerun of the same ``name`` in the same ``storage`` continues the same MLflow
+run: the run carries a ``raylift.run_key`` tag made of both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raylift.config import Config, flatten
+
+SECRET = re.compile(r"token|secret|password|passwd|key", re.IGNORECASE)
+REDACTED = "***"
+
+
+def default_uri() -> str:
+    """``sqlite:///<cwd>/mlflow.db``, absolute so workers in other folders write to the same store."""
+    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def tracking_uri(cfg: Config) -> str:
+    return cfg.tracking.uri or default_uri()
+
+
+def redact(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Values of keys that look like credentials never reach MLflow or the console."""
+    return {k: (REDACTED if SECRET.search(k.rsplit(".", 1)[-1]) and v else v)
+            for k, v in params.items()}
+
+
+def _quiet_mlflow() -> None:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def _client(uri: str) -> Any:
+    _quiet_mlflow()
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def run_key(cfg: Config, storage: str) -> str:
+    return f"{storage.rstrip('/')}/{cfg.name}"
+
+
+def find_run(uri: str, experiment: str, key: str) -> str | None:
+    client = _client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`raylift.run_key` = '{key}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def start_run(cfg: Config, storage: str, resume: bool, world_size: int) -> str:
+    """Create the run (or reopen the one being resumed); returns its id."""
+    from mlflow.entities import Param, RunTag
+
+    uri, key = tracking_uri(cfg), run_key(cfg, storage)
+    client = _client(uri)
+    run_id = find_run(uri, cfg.tracking.experiment, key) if resume else None
+    params = {k: str(v)[:6000] for k, v in redact(flatten(cfg.to_dict())).items()}
+    tags = {
+        "raylift.run_key": key,
+        "raylift.strategy": cfg.strategy.name,
+        "raylift.precision": cfg.precision,
+        "raylift.world_size": str(world_size),
+        "raylift.task": cfg.task,
+        "mlflow.runName": cfg.name,
+    }
+    if run_id is None:
+        exp = client.get_experiment_by_name(cfg.tracking.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
+        run_id = client.create_run(exp_id, tags=tags).info.run_id
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            client.log_batch(run_id, params=items[i:i + 100])
+        return str(run_id)
+    client.update_run(run_id, status="RUNNING")
+    old = client.get_run(run_id).data.params
+    # Params are immutable in MLflow: record what this resume changed as tags.
+    changed = [RunTag(f"raylift.resume_override.{k}", v) for k, v in params.items() if old.get(k) != v]
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()] + changed)
+    return str(run_id)
+
+
+def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
+    client = _client(uri)
+    for k, v in (tags or {}).items():
+        client.set_tag(run_id, k, v)
+    client.set_terminated(run_id, status=status)
+
+
+class MlflowTracker:
+    """Rank 0's metric writer; other ranks get a NullTracker."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.client, self.run_id = _client(uri), run_id
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                                    for k, v in metrics.items()])

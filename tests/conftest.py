@@ -1,0 +1,65 @@
+"""Test tiers: unit (no Ray), integration (one local Ray per session), slow, gpu.
+
+Compiled-op caches (DeepSpeed, inductor) live in a persistent folder so repeated
+runs do not rebuild them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("RAYLIFT_TEST_CACHE", Path.home() / ".cache" / "raylift-tests"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(CACHE / "torch_extensions"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[str]:
+    """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing at it."""
+    import ray
+
+    from raylift.launch import WORKER_ENV
+
+    os.environ.update(WORKER_ENV)  # the raylet inherits these, so every worker does
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: unix socket paths
+    ctx = ray.init(address="local", num_cpus=4, _temp_dir=temp_dir, include_dashboard=True,
+                   dashboard_host="127.0.0.1", logging_level="WARNING")
+    address = ctx.address_info["gcs_address"]
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = address
+    try:
+        yield address
+    finally:
+        ray.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in a fresh folder: the default MLflow store and ./runs land there."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -1,0 +1,111 @@
+"""Shared test helpers: a process group without Ray, a local reporter, in-memory data."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raylift.config import Config, config_from_dict, merge
+from raylift.data.ingest import TensorSource
+from raylift.loop import Trainer, WorkerContext
+from raylift.tasks import build_task
+
+
+def init_pg(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+
+
+def tensors(task: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Task sources -> preprocess -> tensors, as Ray Data would deliver them."""
+    out = {}
+    for split, cols in task.sources().items():
+        done = task.preprocess({k: np.asarray(v) for k, v in cols.items()})
+        out[split] = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in done.items()}
+    return out
+
+
+class LocalReporter:
+    """Checkpoints copied into ``root/name`` (ranks merge, as Ray does); metrics kept."""
+
+    def __init__(self, root: Path, crash_after_step: int | None = None):
+        self.root, self.crash_after_step = root, crash_after_step
+        self.metrics: list[dict[str, float]] = []
+        self.checkpoints: list[Path] = []
+
+    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+        self.metrics.append(metrics)
+        if checkpoint is not None and name is not None:
+            dest = self.root / name
+            shutil.copytree(checkpoint, dest, dirs_exist_ok=True)
+            self.checkpoints.append(dest)
+            if self.crash_after_step is not None and metrics["step"] >= self.crash_after_step:
+                raise KeyboardInterrupt("simulated crash after checkpoint")
+
+
+class ListTracker:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def series(self, key: str) -> dict[int, float]:
+        return {step: m[key] for step, m in self.rows if key in m}
+
+
+BASE = {
+    "task": "digits",
+    "task_args": {"dropout": 0.0, "width": 8},
+    "data": {"batch_size": 32},
+    "precision": "32",
+    "optim": {"lr": 1e-3},
+    "train": {"max_epochs": 1, "log_every_n_steps": 1},
+    "checkpoint": {"every_n_steps": None},
+}
+
+
+def make_config(**overrides: Any) -> Config:
+    return config_from_dict(merge(BASE, overrides))
+
+
+def make_trainer(cfg: Config, rank: int, world: int, reporter: Any, tracker: Any = None,
+                 data: dict | None = None) -> Trainer:
+    task = build_task(cfg.task, cfg.task_args)
+    data = data or tensors(task)
+    source = TensorSource(data["train"], data["val"], rank, world, cfg.data.batch_size,
+                          cfg.data.eval_batch_size or cfg.data.batch_size)
+    ctx = WorkerContext(rank=rank, world_size=world, device=torch.device("cpu"), source=source,
+                        reporter=reporter, tracker=tracker or ListTracker(), log=lambda s: None)
+    return Trainer(cfg, task, ctx)
+
+
+def _rank_entry(rank: int, world: int, init_file: str, fn: Any, args: tuple) -> None:
+    init_pg(rank, world, init_file)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, tmp: Path, fn: Any, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by gloo."""
+    import torch.multiprocessing as mp
+
+    init_file = str(tmp / f"pg-{fn.__name__}")
+    mp.spawn(_rank_entry, args=(world, init_file, fn, args), nprocs=world, join=True)
+
+
+def train_and_save_params(rank: int, world: int, cfg_dict: dict, out: str) -> None:
+    """Run a trainer on this rank; rank 0 saves the final parameters to ``out``."""
+    cfg = config_from_dict(cfg_dict)
+    trainer = make_trainer(cfg, rank, world, LocalReporter(Path(out).parent / f"ck-{rank}"))
+    trainer.run()
+    if rank == 0:
+        state = {k: v.detach().clone() for k, v in trainer.engine.eval_model.state_dict().items()}
+        torch.save(state, out)

@@ -1,0 +1,174 @@
+"""The per-worker loop without Ray: accumulation, precision, resume, early stopping."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raylift.checkpoint import LOOP_FILE, CheckpointError, read_loop_state
+from raylift.config import EarlyStoppingConfig, OptimConfig, merge
+from raylift.loop import LoopState, early_stop_update, seed_everything
+from raylift.optim import lr_factor
+from raylift.precision import resolve_precision
+from raylift.strategies.ddp import build_ddp
+from raylift.tasks import build_task
+from tests.helpers import (
+    BASE,
+    ListTracker,
+    LocalReporter,
+    init_pg,
+    make_config,
+    make_trainer,
+    run_ranks,
+    train_and_save_params,
+)
+
+
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo group in this process, as DDP and DCP need one."""
+    init_pg(0, 1, str(tmp_path / "pg"))
+    yield
+    dist.destroy_process_group()
+
+
+def test_grad_accum_matches_one_big_batch(tmp_path: Path) -> None:
+    """DDP, 2 ranks, fp32: 4 x 16 accumulated == 1 x 64, after one optimizer step.
+
+    SGD, because Adam's first step is lr * sign(grad): it turns float summation-order
+    noise on near-zero gradients into lr-sized differences and hides what is compared.
+    """
+    common = {"train": {"max_steps": 1, "seed": 3},
+              "optim": {"name": "sgd", "momentum": 0.0, "warmup_steps": 0, "lr": 0.5}}
+    small = make_config(**common, data={"batch_size": 16}).to_dict()
+    small["train"]["grad_accum"] = 4
+    big = make_config(**common, data={"batch_size": 64}).to_dict()
+    run_ranks(2, tmp_path, train_and_save_params, small, str(tmp_path / "a" / "p.pt"))
+    run_ranks(2, tmp_path, train_and_save_params, big, str(tmp_path / "b" / "p.pt"))
+    a = torch.load(tmp_path / "a" / "p.pt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "p.pt", weights_only=True)
+    seed_everything(3)  # the loop's initial weights, never stepped
+    init = build_task("digits", BASE["task_args"]).build_model().state_dict()
+    moved = max(float((a[k] - init[k]).abs().max()) for k in a)
+    assert moved > 1e-4  # the step really changed the weights
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
+
+
+def run_steps(tmp: Path, crash_after: int | None = None, restore: Path | None = None,
+              **overrides: object) -> tuple[dict[int, float], LocalReporter]:
+    defaults = {"data": {"batch_size": 64}, "task_args": {"dropout": 0.2, "width": 8},
+                "train": {"max_steps": 30, "max_epochs": 5, "log_every_n_steps": 1},
+                "checkpoint": {"every_n_steps": 5}}
+    cfg = make_config(**merge(defaults, overrides))
+    tracker, reporter = ListTracker(), LocalReporter(tmp, crash_after_step=crash_after)
+    trainer = make_trainer(cfg, 0, 1, reporter, tracker)
+    if restore is not None:
+        trainer.restore(restore)
+    try:
+        trainer.run()
+    except KeyboardInterrupt:
+        pass
+    return tracker.series("train_loss"), reporter
+
+
+def test_resumed_run_continues_the_uninterrupted_loss_curve(tmp_path: Path, pg: None) -> None:
+    full, _ = run_steps(tmp_path / "full")
+    partial, reporter = run_steps(tmp_path / "cut", crash_after=15)
+    assert max(partial) == 15 and reporter.checkpoints[-1].name.endswith("00000015")
+    resumed, _ = run_steps(tmp_path / "resumed", restore=reporter.checkpoints[-1])
+    assert min(resumed) == 16 and max(resumed) == 30  # crosses the epoch boundary at 22
+    for step in range(16, 31):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.parametrize("precision", ["32", "16-mixed", "bf16-mixed", "bf16-true"])
+def test_every_precision_trains(tmp_path: Path, pg: None, precision: str) -> None:
+    losses, _ = run_steps(tmp_path, precision=precision,
+                          train={"max_steps": 25, "max_epochs": 5, "log_every_n_steps": 1},
+                          optim={"lr": 3e-3})
+    first, last = losses[1], sum(losses[v] for v in range(21, 26)) / 5
+    assert all(math.isfinite(v) for v in losses.values())
+    assert last < 0.6 * first, (first, last)
+
+
+def test_bf16_true_keeps_weights_in_bf16(tmp_path: Path, pg: None) -> None:
+    trainer = make_trainer(make_config(precision="bf16-true"), 0, 1, LocalReporter(tmp_path))
+    assert all(p.dtype == torch.bfloat16 for p in trainer.engine.module.parameters())
+
+
+def test_16_mixed_skips_inf_step_and_lowers_scale(pg: None) -> None:
+    model = torch.nn.Linear(4, 2)
+    engine = build_ddp(model, make_config(precision="16-mixed"), resolve_precision("16-mixed"),
+                       torch.device("cpu"))
+    assert engine.scaler is not None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scale = engine.scaler.get_scale()
+    with engine.autocast():
+        out = engine.model(torch.ones(3, 4))
+    engine.backward(out.float().sum() * float("inf"))
+    engine.step()
+    assert engine.scaler.get_scale() == scale / 2
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    # A finite step afterwards does update the weights, at the lowered scale.
+    with engine.autocast():
+        out = engine.model(torch.ones(3, 4))
+    engine.backward(out.float().mean())
+    engine.step()
+    assert engine.scaler.get_scale() == scale / 2
+    assert not torch.equal(model.weight, before["weight"])
+
+
+def test_early_stopping_counts_evaluations_without_improvement() -> None:
+    cfg = EarlyStoppingConfig(monitor="val_loss", mode="min", patience=2, min_delta=0.01)
+    state = LoopState()
+    assert not early_stop_update(state, {"val_loss": 1.0}, cfg)
+    assert not early_stop_update(state, {"val_loss": 0.995}, cfg)  # within min_delta
+    assert early_stop_update(state, {"val_loss": 0.999}, cfg)
+    assert state.best == 1.0
+    with pytest.raises(ValueError, match="val_acc"):
+        early_stop_update(LoopState(), {"val_acc": 1.0}, cfg)
+
+
+def test_early_stopping_ends_the_run(tmp_path: Path, pg: None) -> None:
+    cfg = make_config(train={"max_epochs": 50, "log_every_n_steps": 5,
+                             "early_stopping": {"monitor": "val_acc", "mode": "max",
+                                                "patience": 1, "min_delta": 0.5}})
+    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path))
+    trainer.run()
+    assert trainer.state.stopped_early and trainer.state.epoch == 1
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
+    cfg = OptimConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_factor(9, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(10, cfg, 100) == pytest.approx(1.0)
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.1)
+    assert 0.1 < lr_factor(55, cfg, 100) < 1.0
+
+
+def test_corrupt_or_partial_checkpoint_is_refused_with_a_fix(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="incomplete"):
+        read_loop_state(tmp_path)
+    (tmp_path / LOOP_FILE).write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="corrupt") as info:
+        read_loop_state(tmp_path)
+    assert "delete that folder" in str(info.value)
+
+
+def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path, pg: None) -> None:
+    _, reporter = run_steps(tmp_path, train={"max_steps": 5, "max_epochs": 1})
+    ckpt = reporter.checkpoints[-1]
+    state = torch.load(ckpt / LOOP_FILE, weights_only=True)
+    state["strategy"] = "fsdp"
+    torch.save(state, ckpt / LOOP_FILE)
+    trainer = make_trainer(make_config(), 0, 1, LocalReporter(tmp_path / "x"))
+    with pytest.raises(CheckpointError, match="strategy 'fsdp'"):
+        trainer.restore(ckpt)

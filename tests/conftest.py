@@ -40,10 +40,17 @@ def ray_cluster() -> Iterator[str]:
 
     os.environ.update(WORKER_ENV)  # the raylet inherits these, so every worker does
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+    )
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: unix socket paths
-    ctx = ray.init(address="local", num_cpus=4, _temp_dir=temp_dir, include_dashboard=True,
-                   dashboard_host="127.0.0.1", logging_level="WARNING")
+    ctx = ray.init(
+        address="local",
+        num_cpus=4,
+        _temp_dir=temp_dir,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level="WARNING",
+    )
     address = ctx.address_info["gcs_address"]
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address

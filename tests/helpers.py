@@ -17,8 +17,7 @@ from raylift.tasks import build_task
 
 
 def init_pg(rank: int, world: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
 
 
 def tensors(task: Any) -> dict[str, dict[str, torch.Tensor]]:
@@ -74,14 +73,28 @@ def make_config(**overrides: Any) -> Config:
     return config_from_dict(merge(BASE, overrides))
 
 
-def make_trainer(cfg: Config, rank: int, world: int, reporter: Any, tracker: Any = None,
-                 data: dict | None = None) -> Trainer:
+def make_trainer(
+    cfg: Config, rank: int, world: int, reporter: Any, tracker: Any = None, data: dict | None = None
+) -> Trainer:
     task = build_task(cfg.task, cfg.task_args)
     data = data or tensors(task)
-    source = TensorSource(data["train"], data["val"], rank, world, cfg.data.batch_size,
-                          cfg.data.eval_batch_size or cfg.data.batch_size)
-    ctx = WorkerContext(rank=rank, world_size=world, device=torch.device("cpu"), source=source,
-                        reporter=reporter, tracker=tracker or ListTracker(), log=lambda s: None)
+    source = TensorSource(
+        data["train"],
+        data["val"],
+        rank,
+        world,
+        cfg.data.batch_size,
+        cfg.data.eval_batch_size or cfg.data.batch_size,
+    )
+    ctx = WorkerContext(
+        rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        source=source,
+        reporter=reporter,
+        tracker=tracker or ListTracker(),
+        log=lambda s: None,
+    )
     return Trainer(cfg, task, ctx)
 
 

@@ -74,8 +74,10 @@ def read_loop_state(directory: Path) -> dict[str, Any]:
             "resume from the previous checkpoint, or start a new run under another name"
         ) from exc
     if state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {directory} has format {state.get('format')}, "
-                              f"this raylift reads format {FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {directory} has format {state.get('format')}, "
+            f"this raylift reads format {FORMAT}"
+        )
     return dict(state)
 
 
@@ -90,8 +92,9 @@ def load_checkpoint(directory: Path, engine: Engine, rank: int, strategy: str) -
     try:
         engine.load(directory)
     except Exception as exc:
-        raise CheckpointError(f"checkpoint {directory}: model/optimizer state unreadable ({exc})"
-                              ) from exc
+        raise CheckpointError(
+            f"checkpoint {directory}: model/optimizer state unreadable ({exc})"
+        ) from exc
     engine.load_extra_state(state.pop("engine_extra", {}))
     rng_path = directory / _rng_file(rank)
     # After a change of world size a new rank has no RNG file; it keeps its fresh seed.

@@ -14,8 +14,12 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="path to a YAML config, e.g. configs/quickstart.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="dotted overrides, e.g. optim.lr=1e-3 scaling.num_workers=4")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted overrides, e.g. optim.lr=1e-3 scaling.num_workers=4",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +45,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RunFailed as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in sorted(result.metrics.items())
-                      if k.startswith(("val_", "train_")))
-    print(f"raylift: run {result.name!r} finished in {result.seconds:.0f} s at step "
-          f"{int(result.metrics.get('step', 0))}: {shown}")
+    shown = "  ".join(
+        f"{k} {v:.4f}"
+        for k, v in sorted(result.metrics.items())
+        if k.startswith(("val_", "train_"))
+    )
+    print(
+        f"raylift: run {result.name!r} finished in {result.seconds:.0f} s at step "
+        f"{int(result.metrics.get('step', 0))}: {shown}"
+    )
     print(f"raylift: checkpoint {result.checkpoint}")
     print(f"raylift: MLflow run {result.run_id} in {result.tracking_uri}")
     return EXIT_OK
@@ -64,8 +73,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
-        print("raylift: interrupted; rerun the same command to resume from the latest checkpoint",
-              file=sys.stderr)
+        print(
+            "raylift: interrupted; rerun the same command to resume from the latest checkpoint",
+            file=sys.stderr,
+        )
         return 130
 
 

@@ -227,7 +227,9 @@ class Config:
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
         if self.precision not in PRECISIONS:
-            out.append(f"precision: unknown precision {self.precision!r}; choose one of {PRECISIONS}")
+            out.append(
+                f"precision: unknown precision {self.precision!r}; choose one of {PRECISIONS}"
+            )
         if not self.storage:
             out.append("storage: must be a local path or a URI such as s3://bucket/runs")
         from raylift.tasks import task_problems  # late: tasks import torch
@@ -307,7 +309,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
             return float(value)
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)  # `precision: 32` is written as a number in YAML
-    if tp in (int, float) and isinstance(value, bool) or not isinstance(value, tp):
+    if (tp in (int, float) and isinstance(value, bool)) or not isinstance(value, tp):
         problems.append(f"{key}: expected {_type_name(tp)}, got {value!r}")
         return None
     return value
@@ -382,7 +384,10 @@ def merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     p = Path(path)
     if not p.is_file():
-        return {}, [f"{path}: config file not found; pass the path to a YAML file, e.g. configs/quickstart.yaml"]
+        return {}, [
+            f"{path}: config file not found; "
+            "pass the path to a YAML file, e.g. configs/quickstart.yaml"
+        ]
     try:
         raw = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -424,4 +429,3 @@ def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[full] = value
     return out
-

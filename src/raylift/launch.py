@@ -13,6 +13,7 @@ from typing import Any
 
 from raylift import tracking
 from raylift.config import Config, config_from_dict
+from raylift.tasks import BUILTINS
 
 # Environment every Ray process of a raylift run gets.
 WORKER_ENV = {
@@ -57,6 +58,24 @@ def local_num_cpus(cfg: Config) -> int:
     return max(os.cpu_count() or 1, needed)
 
 
+def user_code_env(task: str) -> dict[str, Any]:
+    """A runtime env that ships a user task's module to every Ray worker.
+
+    Built-in tasks and installed packages need nothing; a module or package that
+    lives in the user's folders travels as ``py_modules``.
+    """
+    module_name = task.partition(":")[0]
+    if task in BUILTINS or not module_name:
+        return {}
+    import importlib
+
+    top = importlib.import_module(module_name.split(".")[0])
+    path = Path(getattr(top, "__path__", [None])[0] or top.__file__ or "")
+    if not path.exists() or {"site-packages", "dist-packages"} & set(path.parts):
+        return {}
+    return {"py_modules": [str(path)]}
+
+
 def connect_ray(cfg: Config) -> None:
     """Join ``RAY_ADDRESS`` if set, else start a private local Ray for this run."""
     import ray
@@ -69,15 +88,25 @@ def connect_ray(cfg: Config) -> None:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING,
-                 log_to_driver=True)
+        # Ray ships local modules only at the job level; every task and actor inherits them.
+        ray.init(
+            runtime_env={**user_code_env(cfg.task), "env_vars": env},
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
         return
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
     os.environ.update(env)  # the local raylet, and so every worker, inherits these
     # The dashboard serves the State API, which Train uses to free placement groups; it
     # listens on 127.0.0.1 only.
-    ray.init(address="local", num_cpus=local_num_cpus(cfg), include_dashboard=True,
-             dashboard_host="127.0.0.1", logging_level=logging.WARNING, log_to_driver=True)
+    ray.init(
+        address="local",
+        num_cpus=local_num_cpus(cfg),
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
 
 
 def run_exists(storage: str, name: str) -> bool:
@@ -101,14 +130,20 @@ def build_trainer(cfg: Config, storage: str, payload: dict[str, Any], datasets: 
     resources: dict[str, float] = {"CPU": sc.cpus_per_worker}
     if sc.use_gpu:
         resources["GPU"] = 1
-    workers: int | tuple[int, int] = (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
+    workers: int | tuple[int, int] = (
+        (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
+    )
     return TorchTrainer(
         worker_main,
         train_loop_config=payload,
         torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=sc.use_gpu,
-                                     resources_per_worker=resources),
-        run_config=RunConfig(
+        # ray.train's static types are Train V1's; these are Train V2's arguments.
+        scaling_config=ScalingConfig(
+            num_workers=workers,  # type: ignore[arg-type]
+            use_gpu=sc.use_gpu,
+            resources_per_worker=resources,
+        ),
+        run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=storage,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
@@ -133,13 +168,17 @@ def train(cfg: Config, log: Any = print) -> TrainResult:
 
     resume = run_exists(storage, cfg.name)
     uri = tracking.tracking_uri(cfg)
-    log(f"raylift: run {cfg.name!r} -> {storage}/{cfg.name}  "
-        f"({'resuming from its latest checkpoint' if resume else 'new run'})")
+    log(
+        f"raylift: run {cfg.name!r} -> {storage}/{cfg.name}  "
+        f"({'resuming from its latest checkpoint' if resume else 'new run'})"
+    )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     task = build_task(cfg.task, cfg.task_args)
     datasets, counts = build_datasets(task, int(ray.cluster_resources().get("CPU", 1)))
-    log(f"raylift: data {counts} rows; {cfg.scaling.num_workers} worker(s), "
-        f"strategy {cfg.strategy.name}, precision {cfg.precision}")
+    log(
+        f"raylift: data {counts} rows; {cfg.scaling.num_workers} worker(s), "
+        f"strategy {cfg.strategy.name}, precision {cfg.precision}"
+    )
     run_id = tracking.start_run(cfg, storage, resume, cfg.scaling.min_workers)
     payload = {"config": cfg.to_dict(), "rows": counts, "run_id": run_id, "tracking_uri": uri}
     status, tags = "FAILED", {}
@@ -158,8 +197,9 @@ def train(cfg: Config, log: Any = print) -> TrainResult:
     if ckpt:
         tags["raylift.final_checkpoint"] = ckpt
     tracking.end_run(uri, run_id, status, tags)
-    metrics = {k: float(v) for k, v in (result.metrics or {}).items()
-               if isinstance(v, (int, float))}
+    metrics = {
+        k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
+    }
     return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
 
 
@@ -169,9 +209,11 @@ def _failure_message(exc: BaseException, cfg: Config) -> str:
         root = root.__cause__
     text = str(root).strip().splitlines()
     detail = text[-1] if text else type(root).__name__
-    return (f"training run {cfg.name!r} failed: {detail}\n"
-            f"  the full worker traceback is above; fix the cause and rerun the same command "
-            f"to resume from the latest checkpoint")
+    return (
+        f"training run {cfg.name!r} failed: {detail}\n"
+        f"  the full worker traceback is above; fix the cause and rerun the same command "
+        f"to resume from the latest checkpoint"
+    )
 
 
 # ---------------------------------------------------------------- workers
@@ -194,14 +236,29 @@ def worker_main(payload: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     d = cfg.data
     source = RayShardSource(
-        rows=payload["rows"]["train"], world_size=world, batch_size=d.batch_size,
-        eval_batch_size=d.eval_batch_size or d.batch_size, prefetch_batches=d.prefetch_batches,
-        shuffle_buffer=d.shuffle_buffer, seed=cfg.train.seed, pin_memory=device.type == "cuda",
+        rows=payload["rows"]["train"],
+        world_size=world,
+        batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or d.batch_size,
+        prefetch_batches=d.prefetch_batches,
+        shuffle_buffer=d.shuffle_buffer,
+        seed=cfg.train.seed,
+        pin_memory=device.type == "cuda",
     )
-    tracker = (tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"]) if rank == 0
-               else NullTracker())
-    ctx = WorkerContext(rank=rank, world_size=world, device=device, source=source,
-                        reporter=RayReporter(), tracker=tracker, log=_print0(rank))
+    tracker = (
+        tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"])
+        if rank == 0
+        else NullTracker()
+    )
+    ctx = WorkerContext(
+        rank=rank,
+        world_size=world,
+        device=device,
+        source=source,
+        reporter=RayReporter(),
+        tracker=tracker,
+        log=_print0(rank),
+    )
     trainer = Trainer(cfg, build_task(cfg.task, cfg.task_args), ctx)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
@@ -224,4 +281,3 @@ def _print0(rank: int) -> Any:
             print(line, flush=True)
 
     return log
-

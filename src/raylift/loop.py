@@ -96,16 +96,21 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def early_stop_update(state: LoopState, metrics: dict[str, float],
-                      cfg: EarlyStoppingConfig) -> bool:
+def early_stop_update(
+    state: LoopState, metrics: dict[str, float], cfg: EarlyStoppingConfig
+) -> bool:
     """Record one evaluation; True when ``patience`` evaluations passed without improvement."""
     if cfg.monitor not in metrics:
-        raise ValueError(f"train.early_stopping.monitor: {cfg.monitor!r} is not a metric of this "
-                         f"run; choose one of {sorted(metrics)}")
+        raise ValueError(
+            f"train.early_stopping.monitor: {cfg.monitor!r} is not a metric of this "
+            f"run; choose one of {sorted(metrics)}"
+        )
     value = metrics[cfg.monitor]
-    better = (state.best is None
-              or (value < state.best - cfg.min_delta if cfg.mode == "min"
-                  else value > state.best + cfg.min_delta))
+    better = state.best is None or (
+        value < state.best - cfg.min_delta
+        if cfg.mode == "min"
+        else value > state.best + cfg.min_delta
+    )
     if better:
         state.best, state.bad_evals = value, 0
     else:
@@ -168,8 +173,17 @@ class Trainer:
         saved = load_checkpoint(directory, self.engine, self.ctx.rank, self.cfg.strategy.name)
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.ctx.log(f"resumed from {directory} at step {self.state.step} "
-                     f"(epoch {self.state.epoch}, batch {self.state.batch_in_epoch})")
+        self.ctx.log(
+            f"resumed from {directory} at step {self.state.step} "
+            f"(epoch {self.state.epoch}, batch {self.state.batch_in_epoch})"
+        )
+        if self._finished():
+            self.ctx.log(
+                f"this run already finished (step {self.state.step} of "
+                f"{self.total_steps}{', stopped early' if self.state.stopped_early else ''}"
+                "); raise train.max_steps / train.max_epochs to train on, or use "
+                "another name for a fresh run"
+            )
 
     # ------------------------------------------------------------ run
 
@@ -189,17 +203,22 @@ class Trainer:
         if self.state.step > self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
         if self.state.stopped_early:
-            self.ctx.log(f"early stopping at step {self.state.step}: "
-                         f"{train_cfg.early_stopping.monitor if train_cfg.early_stopping else ''}"
-                         f" did not improve for {self.state.bad_evals} evaluations")
+            self.ctx.log(
+                f"early stopping at step {self.state.step}: "
+                f"{train_cfg.early_stopping.monitor if train_cfg.early_stopping else ''}"
+                f" did not improve for {self.state.bad_evals} evaluations"
+            )
         return self.last_metrics
 
     def _finished(self) -> bool:
-        return (self.state.epoch >= self.cfg.train.max_epochs
-                or self.state.step >= self.total_steps or self.state.stopped_early)
+        return (
+            self.state.epoch >= self.cfg.train.max_epochs
+            or self.state.step >= self.total_steps
+            or self.state.stopped_early
+        )
 
     def _batches(self) -> Iterator[Batch]:
-        """This epoch's micro-batches from the saved data position, whole accumulation groups only."""
+        """This epoch's micro-batches from the saved data position, in whole accumulation groups."""
         usable = self.steps_per_epoch * self.accum
         for i, batch in enumerate(self.ctx.source.train_batches(self.state.epoch)):
             if i >= usable:
@@ -250,8 +269,9 @@ class Trainer:
         if interval.micro_batches == 0:
             return
         # The one host sync of the interval: mean loss over ranks and micro-batches.
-        packed = torch.stack([interval.loss_sum,
-                              torch.tensor(float(interval.micro_batches), device=self.ctx.device)])
+        packed = torch.stack(
+            [interval.loss_sum, torch.tensor(float(interval.micro_batches), device=self.ctx.device)]
+        )
         loss_sum, count = all_reduce_sum(packed).tolist()
         elapsed = interval.elapsed()
         metrics = {

@@ -13,7 +13,8 @@ from raylift.config import OptimConfig
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Decay matrices only: decaying biases and norm gains hurts and buys nothing."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)

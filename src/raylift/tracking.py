@@ -20,7 +20,7 @@ REDACTED = "***"
 
 
 def default_uri() -> str:
-    """``sqlite:///<cwd>/mlflow.db``, absolute so workers in other folders write to the same store."""
+    """``sqlite:///<cwd>/mlflow.db``, absolute so workers elsewhere write to the same store."""
     return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
 
 
@@ -30,8 +30,9 @@ def tracking_uri(cfg: Config) -> str:
 
 def redact(params: Mapping[str, Any]) -> dict[str, Any]:
     """Values of keys that look like credentials never reach MLflow or the console."""
-    return {k: (REDACTED if SECRET.search(k.rsplit(".", 1)[-1]) and v else v)
-            for k, v in params.items()}
+    return {
+        k: (REDACTED if SECRET.search(k.rsplit(".", 1)[-1]) and v else v) for k, v in params.items()
+    }
 
 
 def _quiet_mlflow() -> None:
@@ -54,8 +55,12 @@ def find_run(uri: str, experiment: str, key: str) -> str | None:
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`raylift.run_key` = '{key}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
+    runs = client.search_runs(
+        [exp.experiment_id],
+        filter_string=f"tags.`raylift.run_key` = '{key}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
     return runs[0].info.run_id if runs else None
 
 
@@ -81,12 +86,14 @@ def start_run(cfg: Config, storage: str, resume: bool, world_size: int) -> str:
         run_id = client.create_run(exp_id, tags=tags).info.run_id
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(run_id, params=items[i:i + 100])
+            client.log_batch(run_id, params=items[i : i + 100])
         return str(run_id)
     client.update_run(run_id, status="RUNNING")
     old = client.get_run(run_id).data.params
     # Params are immutable in MLflow: record what this resume changed as tags.
-    changed = [RunTag(f"raylift.resume_override.{k}", v) for k, v in params.items() if old.get(k) != v]
+    changed = [
+        RunTag(f"raylift.resume_override.{k}", v) for k, v in params.items() if old.get(k) != v
+    ]
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()] + changed)
     return str(run_id)
 
@@ -108,5 +115,6 @@ class MlflowTracker:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                    for k, v in metrics.items()])
+        self.client.log_batch(
+            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
+        )

@@ -20,13 +20,25 @@ def test_validate_prints_resolved_config(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_bad_config_exits_2_without_traceback() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "raylift.cli", "validate", QUICKSTART, "optim.lr=-1",
-         "scaling.num_workers=0"], capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "raylift.cli",
+            "validate",
+            QUICKSTART,
+            "optim.lr=-1",
+            "scaling.num_workers=0",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "optim.lr" in proc.stderr and "scaling.num_workers" in proc.stderr
 
 
-def test_train_with_bad_config_exits_2_before_starting_ray(capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_with_bad_config_exits_2_before_starting_ray(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert main(["train", QUICKSTART, "precision=fp8"]) == 2
     assert "precision" in capsys.readouterr().err

@@ -24,8 +24,15 @@ def test_quickstart_loads_with_typed_sections() -> None:
 
 
 def test_overrides_are_dotted_and_typed() -> None:
-    cfg = load_config(QUICKSTART, ["optim.lr=1e-3", "scaling.num_workers=[1, 3]",
-                                   "train.early_stopping=null", "precision=32"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            "optim.lr=1e-3",
+            "scaling.num_workers=[1, 3]",
+            "train.early_stopping=null",
+            "precision=32",
+        ],
+    )
     assert cfg.optim.lr == pytest.approx(1e-3)
     assert cfg.scaling.elastic and (cfg.scaling.min_workers, cfg.scaling.max_workers) == (1, 3)
     assert cfg.train.early_stopping is None
@@ -33,28 +40,43 @@ def test_overrides_are_dotted_and_typed() -> None:
 
 
 def test_every_problem_is_reported_at_once() -> None:
-    found = problems("optim.lr=-1", "scaling.num_workers=0", "strategy.name=nope",
-                     "precision=fp8", "train.max_epoch=3", "data.batch_size=abc")
+    found = problems(
+        "optim.lr=-1",
+        "scaling.num_workers=0",
+        "strategy.name=nope",
+        "precision=fp8",
+        "train.max_epoch=3",
+        "data.batch_size=abc",
+    )
     joined = "\n".join(found)
     assert len(found) == 6, joined
-    for key in ("optim.lr", "scaling.num_workers", "strategy.name", "precision",
-                "train.max_epoch", "data.batch_size"):
+    for key in (
+        "optim.lr",
+        "scaling.num_workers",
+        "strategy.name",
+        "precision",
+        "train.max_epoch",
+        "data.batch_size",
+    ):
         assert any(p.startswith(key) for p in found), key
     assert "did you mean 'max_epochs'" in joined
     assert "('32', '16-mixed', 'bf16-mixed', 'bf16-true')" in joined
 
 
-@pytest.mark.parametrize("override, key, fix", [
-    ("scaling.num_workers=[4, 2]", "scaling.num_workers", "greater than max"),
-    ("optim.lr=0", "optim.lr", "must be > 0"),
-    ("optim.name=lamb", "optim.name", "choose one of"),
-    ("train.grad_accum=0", "train.grad_accum", ">= 1"),
-    ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
-    ("task=nosuchpkg.mod:Task", "task", "cannot import"),
-    ("task_args.nope=1", "task_args.nope", "takes no argument"),
-    ("strategy.name=fsdp", "strategy.name", "not available in this version"),
-    ("train.early_stopping.mode=up", "train.early_stopping.mode", "'min' or 'max'"),
-])
+@pytest.mark.parametrize(
+    "override, key, fix",
+    [
+        ("scaling.num_workers=[4, 2]", "scaling.num_workers", "greater than max"),
+        ("optim.lr=0", "optim.lr", "must be > 0"),
+        ("optim.name=lamb", "optim.name", "choose one of"),
+        ("train.grad_accum=0", "train.grad_accum", ">= 1"),
+        ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
+        ("task=nosuchpkg.mod:Task", "task", "cannot import"),
+        ("task_args.nope=1", "task_args.nope", "takes no argument"),
+        ("strategy.name=fsdp", "strategy.name", "not available in this version"),
+        ("train.early_stopping.mode=up", "train.early_stopping.mode", "'min' or 'max'"),
+    ],
+)
 def test_each_bad_value_names_key_and_fix(override: str, key: str, fix: str) -> None:
     found = problems(override)
     assert len(found) == 1 and found[0].startswith(key) and fix in found[0], found
@@ -74,4 +96,8 @@ def test_override_syntax() -> None:
 
 
 def test_flatten() -> None:
-    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {"a.b": 1, "a.c.d": [1, 2], "e": {}}
+    assert flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "e": {}}) == {
+        "a.b": 1,
+        "a.c.d": [1, 2],
+        "e": {},
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from raylift.checkpoint import LOOP_FILE, CheckpointError, read_loop_state
 from raylift.config import EarlyStoppingConfig, OptimConfig, merge
+from raylift.data.ingest import to_device
 from raylift.loop import LoopState, early_stop_update, seed_everything
 from raylift.optim import lr_factor
 from raylift.precision import resolve_precision
@@ -43,8 +45,10 @@ def test_grad_accum_matches_one_big_batch(tmp_path: Path) -> None:
     SGD, because Adam's first step is lr * sign(grad): it turns float summation-order
     noise on near-zero gradients into lr-sized differences and hides what is compared.
     """
-    common = {"train": {"max_steps": 1, "seed": 3},
-              "optim": {"name": "sgd", "momentum": 0.0, "warmup_steps": 0, "lr": 0.5}}
+    common = {
+        "train": {"max_steps": 1, "seed": 3},
+        "optim": {"name": "sgd", "momentum": 0.0, "warmup_steps": 0, "lr": 0.5},
+    }
     small = make_config(**common, data={"batch_size": 16}).to_dict()
     small["train"]["grad_accum"] = 4
     big = make_config(**common, data={"batch_size": 64}).to_dict()
@@ -60,20 +64,22 @@ def test_grad_accum_matches_one_big_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=0)
 
 
-def run_steps(tmp: Path, crash_after: int | None = None, restore: Path | None = None,
-              **overrides: object) -> tuple[dict[int, float], LocalReporter]:
-    defaults = {"data": {"batch_size": 64}, "task_args": {"dropout": 0.2, "width": 8},
-                "train": {"max_steps": 30, "max_epochs": 5, "log_every_n_steps": 1},
-                "checkpoint": {"every_n_steps": 5}}
+def run_steps(
+    tmp: Path, crash_after: int | None = None, restore: Path | None = None, **overrides: object
+) -> tuple[dict[int, float], LocalReporter]:
+    defaults = {
+        "data": {"batch_size": 64},
+        "task_args": {"dropout": 0.2, "width": 8},
+        "train": {"max_steps": 30, "max_epochs": 5, "log_every_n_steps": 1},
+        "checkpoint": {"every_n_steps": 5},
+    }
     cfg = make_config(**merge(defaults, overrides))
     tracker, reporter = ListTracker(), LocalReporter(tmp, crash_after_step=crash_after)
     trainer = make_trainer(cfg, 0, 1, reporter, tracker)
     if restore is not None:
         trainer.restore(restore)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # the simulated crash
         trainer.run()
-    except KeyboardInterrupt:
-        pass
     return tracker.series("train_loss"), reporter
 
 
@@ -89,9 +95,12 @@ def test_resumed_run_continues_the_uninterrupted_loss_curve(tmp_path: Path, pg: 
 
 @pytest.mark.parametrize("precision", ["32", "16-mixed", "bf16-mixed", "bf16-true"])
 def test_every_precision_trains(tmp_path: Path, pg: None, precision: str) -> None:
-    losses, _ = run_steps(tmp_path, precision=precision,
-                          train={"max_steps": 25, "max_epochs": 5, "log_every_n_steps": 1},
-                          optim={"lr": 3e-3})
+    losses, _ = run_steps(
+        tmp_path,
+        precision=precision,
+        train={"max_steps": 25, "max_epochs": 5, "log_every_n_steps": 1},
+        optim={"lr": 3e-3},
+    )
     first, last = losses[1], sum(losses[v] for v in range(21, 26)) / 5
     assert all(math.isfinite(v) for v in losses.values())
     assert last < 0.6 * first, (first, last)
@@ -104,8 +113,9 @@ def test_bf16_true_keeps_weights_in_bf16(tmp_path: Path, pg: None) -> None:
 
 def test_16_mixed_skips_inf_step_and_lowers_scale(pg: None) -> None:
     model = torch.nn.Linear(4, 2)
-    engine = build_ddp(model, make_config(precision="16-mixed"), resolve_precision("16-mixed"),
-                       torch.device("cpu"))
+    engine = build_ddp(
+        model, make_config(precision="16-mixed"), resolve_precision("16-mixed"), torch.device("cpu")
+    )
     assert engine.scaler is not None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     scale = engine.scaler.get_scale()
@@ -137,9 +147,18 @@ def test_early_stopping_counts_evaluations_without_improvement() -> None:
 
 
 def test_early_stopping_ends_the_run(tmp_path: Path, pg: None) -> None:
-    cfg = make_config(train={"max_epochs": 50, "log_every_n_steps": 5,
-                             "early_stopping": {"monitor": "val_acc", "mode": "max",
-                                                "patience": 1, "min_delta": 0.5}})
+    cfg = make_config(
+        train={
+            "max_epochs": 50,
+            "log_every_n_steps": 5,
+            "early_stopping": {
+                "monitor": "val_acc",
+                "mode": "max",
+                "patience": 1,
+                "min_delta": 0.5,
+            },
+        }
+    )
     trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path))
     trainer.run()
     assert trainer.state.stopped_early and trainer.state.epoch == 1
@@ -172,3 +191,30 @@ def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path, pg: None) -> 
     trainer = make_trainer(make_config(), 0, 1, LocalReporter(tmp_path / "x"))
     with pytest.raises(CheckpointError, match="strategy 'fsdp'"):
         trainer.restore(ckpt)
+
+
+def test_to_device_is_a_no_op_on_cpu() -> None:
+    batch = {"x": torch.arange(4, dtype=torch.uint8)}
+    assert to_device(batch, torch.device("cpu"))["x"] is batch["x"]
+
+
+@pytest.mark.gpu
+def test_cuda_copy_is_asynchronous_from_pinned_memory() -> None:
+    batch = {"x": torch.arange(1 << 20, dtype=torch.uint8).pin_memory()}
+    out = to_device(batch, torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    assert out["x"].is_cuda and out["x"].dtype == torch.uint8
+    assert torch.equal(out["x"].cpu(), batch["x"])
+
+
+@pytest.mark.gpu
+def test_trainer_on_cuda_with_nccl(tmp_path: Path) -> None:
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cfg = make_config(precision="bf16-mixed", train={"max_steps": 10, "log_every_n_steps": 5})
+        trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), device=torch.device("cuda", 0))
+        metrics = trainer.run()
+        assert next(trainer.engine.module.parameters()).is_cuda
+        assert math.isfinite(metrics["val_loss"])
+    finally:
+        dist.destroy_process_group()

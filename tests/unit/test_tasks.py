@@ -44,7 +44,7 @@ def test_gpt_windows_cover_every_byte_once_as_a_target(tmp_path: Path) -> None:
     tokens = task.preprocess({"path": np.array([str(tmp_path / "a.py")])})["tokens"]
     assert tokens.dtype == np.uint8 and tokens.shape[1] == 33
     targets = tokens[:, 1:].reshape(-1)
-    assert bytes(targets) == text[1:1 + len(targets)]
+    assert bytes(targets) == text[1 : 1 + len(targets)]
 
 
 def test_gpt_loss_starts_near_uniform() -> None:
@@ -58,14 +58,17 @@ def test_gpt_loss_starts_near_uniform() -> None:
     assert math.isfinite(float(task.loss(model, batch)))
 
 
-def test_user_task_from_outside_the_repository(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "mytask.py").write_text(textwrap.dedent("""
+def test_user_task_from_outside_the_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "mytask.py").write_text(
+        textwrap.dedent("""
         from raylift.tasks.digits import DigitsTask
         class Small(DigitsTask):
             def __init__(self, width: int = 4):
                 super().__init__(width=width)
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     assert resolve_task("mytask:Small").__name__ == "Small"
     assert task_problems("mytask:Small", {"width": 2}) == []

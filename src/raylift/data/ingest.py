@@ -30,8 +30,17 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 class RayShardSource:
     """This worker's split of the trainer's ``datasets``, streamed with prefetching."""
 
-    def __init__(self, rows: int, world_size: int, batch_size: int, eval_batch_size: int,
-                 prefetch_batches: int, shuffle_buffer: int, seed: int, pin_memory: bool):
+    def __init__(
+        self,
+        rows: int,
+        world_size: int,
+        batch_size: int,
+        eval_batch_size: int,
+        prefetch_batches: int,
+        shuffle_buffer: int,
+        seed: int,
+        pin_memory: bool,
+    ):
         self.rows, self.world_size = rows, world_size
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.prefetch, self.shuffle_buffer, self.seed = prefetch_batches, shuffle_buffer, seed
@@ -61,7 +70,9 @@ class RayShardSource:
 
         shard = ray.train.get_dataset_shard("val")
         yield from shard.iter_torch_batches(
-            batch_size=self.eval_batch_size, prefetch_batches=self.prefetch, device="cpu",
+            batch_size=self.eval_batch_size,
+            prefetch_batches=self.prefetch,
+            device="cpu",
             pin_memory=self.pin_memory,
         )
 
@@ -69,15 +80,25 @@ class RayShardSource:
 class TensorSource:
     """In-memory columns split evenly by rank, in order: for single-process runs and tests."""
 
-    def __init__(self, train: Batch, val: Batch, rank: int, world_size: int, batch_size: int,
-                 eval_batch_size: int):
-        self.train, self.val = self._slice(train, rank, world_size), self._slice(val, rank, world_size)
+    def __init__(
+        self,
+        train: Batch,
+        val: Batch,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        eval_batch_size: int,
+    ):
+        self.train, self.val = (
+            self._slice(train, rank, world_size),
+            self._slice(val, rank, world_size),
+        )
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
 
     @staticmethod
     def _slice(cols: Batch, rank: int, world: int) -> Batch:
         n = len(next(iter(cols.values()))) // world
-        return {k: v[rank * n:(rank + 1) * n] for k, v in cols.items()}
+        return {k: v[rank * n : (rank + 1) * n] for k, v in cols.items()}
 
     def micro_batches_per_epoch(self) -> int:
         return len(next(iter(self.train.values()))) // self.batch_size
@@ -86,7 +107,7 @@ class TensorSource:
         n = len(next(iter(cols.values())))
         stop = n - n % size if drop_last else n
         for i in range(0, stop, size):
-            yield {k: v[i:i + size] for k, v in cols.items()}
+            yield {k: v[i : i + size] for k, v in cols.items()}
 
     def train_batches(self, epoch: int) -> Iterator[Batch]:
         return self._batches(self.train, self.batch_size, drop_last=True)

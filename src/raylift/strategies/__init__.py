@@ -19,11 +19,13 @@ BUILDERS: dict[str, Builder] = {"ddp": build_ddp}
 __all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]
 
 
-def build_engine(model: nn.Module, cfg: Config, precision: Precision,
-                 device: torch.device) -> Engine:
+def build_engine(
+    model: nn.Module, cfg: Config, precision: Precision, device: torch.device
+) -> Engine:
     try:
         builder = BUILDERS[cfg.strategy.name]
     except KeyError:
-        raise ValueError(f"strategy.name: {cfg.strategy.name!r} has no engine; "
-                         f"choose one of {sorted(BUILDERS)}") from None
+        raise ValueError(
+            f"strategy.name: {cfg.strategy.name!r} has no engine; choose one of {sorted(BUILDERS)}"
+        ) from None
     return builder(model, cfg, precision, device)

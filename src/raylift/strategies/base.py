@@ -51,8 +51,15 @@ class Engine(Protocol):
 class TorchEngine:
     """Engine for torch-native wrappers (DDP today): autocast, GradScaler, clipping, DCP state."""
 
-    def __init__(self, model: nn.Module, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 precision: Precision, device: torch.device, grad_clip: float | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        device: torch.device,
+        grad_clip: float | None,
+    ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
         self.scaler = precision.grad_scaler(device)
@@ -66,7 +73,7 @@ class TorchEngine:
         no_sync = getattr(self.model, "no_sync", None)
         if enabled or no_sync is None:
             return contextlib.nullcontext()
-        return no_sync()  # type: ignore[no-any-return]
+        return no_sync()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         return self.precision.autocast(self.device)
@@ -101,10 +108,14 @@ class TorchEngine:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(directory / "engine"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
 
     def extra_state(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}
@@ -112,4 +123,3 @@ class TorchEngine:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-

@@ -12,8 +12,9 @@ from raylift.precision import Precision
 from raylift.strategies.base import TorchEngine
 
 
-def build_ddp(model: nn.Module, cfg: Config, precision: Precision,
-              device: torch.device) -> TorchEngine:
+def build_ddp(
+    model: nn.Module, cfg: Config, precision: Precision, device: torch.device
+) -> TorchEngine:
     model = model.to(device=device, dtype=precision.param_dtype)
     ddp = DistributedDataParallel(
         model,

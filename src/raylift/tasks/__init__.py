@@ -44,8 +44,19 @@ def task_problems(spec: str, task_args: dict[str, Any]) -> list[str]:
         cls = resolve_task(spec)
     except ValueError as exc:
         return [str(exc)]
-    missing = [m for m in ("build_model", "sources", "preprocess", "finish", "loss",
-                           "eval_sums", "summarize") if not callable(getattr(cls, m, None))]
+    missing = [
+        m
+        for m in (
+            "build_model",
+            "sources",
+            "preprocess",
+            "finish",
+            "loss",
+            "eval_sums",
+            "summarize",
+        )
+        if not callable(getattr(cls, m, None))
+    ]
     if missing:
         return [f"task: {spec!r} does not implement the Task protocol; missing {missing}"]
     params = inspect.signature(cls).parameters
@@ -60,4 +71,4 @@ def task_problems(spec: str, task_args: dict[str, Any]) -> list[str]:
 
 def build_task(spec: str, task_args: dict[str, Any]) -> Task:
     task = resolve_task(spec)(**task_args)
-    return task  # type: ignore[no-any-return]
+    return task

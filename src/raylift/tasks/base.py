@@ -46,7 +46,7 @@ class Task(Protocol):
         ...
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-batch sums (0-d tensors) that add up across batches and ranks; must hold ``count``."""
+        """Per-batch sums (0-d tensors) that add across batches and ranks; must hold ``count``."""
         ...
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
@@ -61,5 +61,5 @@ def blocks_of(task: object, model: nn.Module) -> list[nn.Module]:
 
 
 def tokens_per_sample(task: object) -> int:
-    """Tokens in one training sample, for ``tokens_per_s``; 0 for tasks that are not token models."""
+    """Tokens in one training sample, for ``tokens_per_s``; 0 for non-token tasks."""
     return int(getattr(task, "tokens_per_sample", 0) or 0)

@@ -34,10 +34,11 @@ class DigitsNet(nn.Module):
 
 
 class DigitsTask:
-    """Classify 8x8 digit images. ``val_fraction`` of the set, chosen by ``split_seed``, is held out."""
+    """Classify 8x8 digit images; ``val_fraction`` of them, drawn by ``split_seed``, held out."""
 
-    def __init__(self, width: int = 32, dropout: float = 0.1, val_fraction: float = 0.2,
-                 split_seed: int = 0):
+    def __init__(
+        self, width: int = 32, dropout: float = 0.1, val_fraction: float = 0.2, split_seed: int = 0
+    ):
         if not 0 < val_fraction < 1:
             raise ValueError("task_args.val_fraction: must be between 0 and 1")
         self.width, self.dropout = width, dropout

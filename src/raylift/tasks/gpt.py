@@ -48,8 +48,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, block_size: int, n_layer: int, n_head: int, d_model: int,
-                 dropout: float = 0.0, activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        d_model: int,
+        dropout: float = 0.0,
+        activation_checkpointing: bool = False,
+    ):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, d_model)
         self.pos = nn.Embedding(block_size, d_model)
@@ -86,23 +93,37 @@ def stdlib_root() -> Path:
 def corpus_files(root: Path) -> list[Path]:
     """Every ``.py`` file under ``root``, sorted; installed packages are not part of the corpus."""
     return sorted(
-        p for p in root.rglob("*.py")
+        p
+        for p in root.rglob("*.py")
         if "site-packages" not in p.parts and "dist-packages" not in p.parts and p.is_file()
     )
 
 
 class GPTTask:
-    """Next-byte prediction. ``max_bytes`` caps the training text (val gets ``val_percent`` of it)."""
+    """Next-byte prediction; ``max_bytes`` caps the train text, val gets ``val_percent`` of it."""
 
-    def __init__(self, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
-                 d_model: int = 128, dropout: float = 0.0, corpus: str = "stdlib",
-                 max_bytes: int | None = 2_000_000, val_percent: int = 5,
-                 activation_checkpointing: bool = False):
+    def __init__(
+        self,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        d_model: int = 128,
+        dropout: float = 0.0,
+        corpus: str = "stdlib",
+        max_bytes: int | None = 2_000_000,
+        val_percent: int = 5,
+        activation_checkpointing: bool = False,
+    ):
         if d_model % n_head:
             raise ValueError("task_args.d_model: must be divisible by task_args.n_head")
         if not 0 < val_percent < 100:
             raise ValueError("task_args.val_percent: must be between 0 and 100")
-        self.block_size, self.n_layer, self.n_head, self.d_model = block_size, n_layer, n_head, d_model
+        self.block_size, self.n_layer, self.n_head, self.d_model = (
+            block_size,
+            n_layer,
+            n_head,
+            d_model,
+        )
         self.dropout, self.corpus, self.max_bytes = dropout, corpus, max_bytes
         self.val_percent = val_percent
         self.activation_checkpointing = activation_checkpointing
@@ -115,8 +136,14 @@ class GPTTask:
         return root
 
     def build_model(self) -> nn.Module:
-        return GPT(self.block_size, self.n_layer, self.n_head, self.d_model, self.dropout,
-                   self.activation_checkpointing)
+        return GPT(
+            self.block_size,
+            self.n_layer,
+            self.n_head,
+            self.d_model,
+            self.dropout,
+            self.activation_checkpointing,
+        )
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]
@@ -125,8 +152,10 @@ class GPTTask:
         root = self.root()
         splits: dict[str, list[str]] = {"train": [], "val": []}
         sizes = {"train": 0, "val": 0}
-        caps = {"train": self.max_bytes, "val": None if self.max_bytes is None
-                else self.max_bytes * self.val_percent // 100}
+        caps = {
+            "train": self.max_bytes,
+            "val": None if self.max_bytes is None else self.max_bytes * self.val_percent // 100,
+        }
         for path in corpus_files(root):
             rel = path.relative_to(root).as_posix()
             split = "val" if zlib.crc32(rel.encode()) % 100 < self.val_percent else "train"
@@ -136,7 +165,9 @@ class GPTTask:
             splits[split].append(str(path))
             sizes[split] += path.stat().st_size
         if not splits["train"] or not splits["val"]:
-            raise ValueError(f"task_args.corpus: {root} has too few .py files for a train/val split")
+            raise ValueError(
+                f"task_args.corpus: {root} has too few .py files for a train/val split"
+            )
         return {k: {"path": np.array(v)} for k, v in splits.items()}
 
     def preprocess(self, batch: Columns) -> Columns:

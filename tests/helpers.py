@@ -70,7 +70,10 @@ BASE = {
 
 
 def make_config(**overrides: Any) -> Config:
-    return config_from_dict(merge(BASE, overrides))
+    base = dict(BASE)
+    if overrides.get("task", "digits") != "digits":
+        base.pop("task_args")  # digits' arguments mean nothing to another task
+    return config_from_dict(merge(base, overrides))
 
 
 def make_trainer(
@@ -122,3 +125,24 @@ def train_and_save_params(rank: int, world: int, cfg_dict: dict, out: str) -> No
     if rank == 0:
         state = {k: v.detach().clone() for k, v in trainer.engine.eval_model.state_dict().items()}
         torch.save(state, out)
+
+
+def train_and_record(rank: int, world: int, cfg_dict: dict, out: str) -> None:
+    """Run a trainer on this rank; rank 0 saves its per-step train_loss series to ``out``."""
+    cfg = config_from_dict(cfg_dict)
+    tracker = ListTracker()
+    trainer = make_trainer(
+        cfg, rank, world, LocalReporter(Path(out).parent / f"ck-{rank}"), tracker
+    )
+    trainer.run()
+    if rank == 0:
+        torch.save(tracker.series("train_loss"), out)
+
+
+GPT_SMALL = {
+    "task": "gpt",
+    "task_args": {"block_size": 32, "n_layer": 2, "n_head": 4, "d_model": 64, "max_bytes": 300_000},
+    "data": {"batch_size": 8},
+    "optim": {"lr": 3e-3, "warmup_steps": 5},
+    "train": {"max_steps": 30, "log_every_n_steps": 1, "seed": 0},
+}

@@ -21,7 +21,7 @@ import yaml
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
 # Strategies whose engines exist in this version; the rest are refused at load time.
-IMPLEMENTED_STRATEGIES = ("ddp",)
+IMPLEMENTED_STRATEGIES = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 
@@ -92,8 +92,11 @@ class ScalingConfig:
 @dataclasses.dataclass
 class StrategyConfig:
     name: str = "ddp"
-    find_unused_parameters: bool = False
-    bucket_cap_mb: float = 25.0
+    activation_checkpointing: bool = False  # ddp, fsdp: recompute each block in backward
+    find_unused_parameters: bool = False  # ddp
+    bucket_cap_mb: float = 25.0  # ddp
+    reshard_after_forward: bool = True  # fsdp: free gathered params after forward (ZeRO-3)
+    cpu_offload: bool = False  # fsdp: params, grads, optimizer state in host memory
 
     def problems(self) -> list[str]:
         if self.name not in STRATEGIES:
@@ -103,9 +106,25 @@ class StrategyConfig:
                 f"strategy.name: {self.name!r} is not available in this version of raylift; "
                 f"use one of {IMPLEMENTED_STRATEGIES}"
             ]
+        out = [
+            f"strategy.{key}: applies to {', '.join(users)}, not to {self.name!r}; remove it"
+            for key, users in STRATEGY_OPTIONS.items()
+            if self.name not in users and getattr(self, key) != _DEFAULT_STRATEGY[key]
+        ]
         if self.bucket_cap_mb <= 0:
-            return ["strategy.bucket_cap_mb: must be > 0"]
-        return []
+            out.append("strategy.bucket_cap_mb: must be > 0")
+        return out
+
+
+# Which strategies read each option; setting one the chosen strategy ignores is an error.
+STRATEGY_OPTIONS = {
+    "activation_checkpointing": ("ddp", "fsdp"),
+    "find_unused_parameters": ("ddp",),
+    "bucket_cap_mb": ("ddp",),
+    "reshard_after_forward": ("fsdp",),
+    "cpu_offload": ("fsdp",),
+}
+_DEFAULT_STRATEGY = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
 
 
 @dataclasses.dataclass

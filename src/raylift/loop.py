@@ -135,7 +135,8 @@ class Trainer:
         model = task.build_model()
         if cfg.train.compile:
             apply_compile(model, task)
-        self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device)
+        blocks = blocks_of(task, model)
+        self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device, blocks)
         seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
         self.accum = cfg.train.grad_accum
         self.micro_per_epoch = ctx.source.micro_batches_per_epoch()
@@ -294,8 +295,14 @@ class Trainer:
             f"{tok}  eta {_fmt_time(eta)}"
         )
 
-    @torch.inference_mode()
     def evaluate(self) -> dict[str, float]:
+        # inference_mode where the engine allows it (FSDP2's all-gathers write to buffers
+        # that inference tensors would poison, so it gets no_grad).
+        grad_off = torch.inference_mode if self.engine.inference_mode_ok else torch.no_grad
+        with grad_off():
+            return self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
         model = self.engine.eval_model
         model.eval()
         sums: dict[str, torch.Tensor] = {}

@@ -218,3 +218,21 @@ def test_trainer_on_cuda_with_nccl(tmp_path: Path) -> None:
         assert math.isfinite(metrics["val_loss"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compile_per_block_trains(tmp_path: Path, pg: None) -> None:
+    """train.compile compiles each transformer block (not the whole model) and still trains."""
+    cfg = make_config(
+        task="gpt",
+        task_args={"block_size": 16, "n_layer": 2, "n_head": 2, "d_model": 32, "max_bytes": 20000},
+        data={"batch_size": 8},
+        train={"compile": True, "max_steps": 3, "log_every_n_steps": 1},
+    )
+    tracker = ListTracker()
+    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), tracker)
+    blocks = trainer.engine.module.blocks  # type: ignore[union-attr]
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
+    assert getattr(trainer.engine.module, "_compiled_call_impl", None) is None
+    trainer.run()
+    assert all(math.isfinite(v) for v in tracker.series("train_loss").values())

@@ -11,16 +11,22 @@ from raylift.config import Config
 from raylift.precision import Precision
 from raylift.strategies.base import Engine, TorchEngine
 from raylift.strategies.ddp import build_ddp
+from raylift.strategies.fsdp import build_fsdp
 
-Builder = Callable[[nn.Module, Config, Precision, torch.device], Engine]
+# (model, config, precision, device, the model's repeated blocks) -> engine
+Builder = Callable[[nn.Module, Config, Precision, torch.device, list[nn.Module]], Engine]
 
-BUILDERS: dict[str, Builder] = {"ddp": build_ddp}
+BUILDERS: dict[str, Builder] = {"ddp": build_ddp, "fsdp": build_fsdp}
 
 __all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]
 
 
 def build_engine(
-    model: nn.Module, cfg: Config, precision: Precision, device: torch.device
+    model: nn.Module,
+    cfg: Config,
+    precision: Precision,
+    device: torch.device,
+    blocks: list[nn.Module],
 ) -> Engine:
     try:
         builder = BUILDERS[cfg.strategy.name]
@@ -28,4 +34,4 @@ def build_engine(
         raise ValueError(
             f"strategy.name: {cfg.strategy.name!r} has no engine; choose one of {sorted(BUILDERS)}"
         ) from None
-    return builder(model, cfg, precision, device)
+    return builder(model, cfg, precision, device, blocks)

@@ -8,11 +8,13 @@ sharded state. The loop never branches on the strategy.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raylift.precision import Precision
 
@@ -21,6 +23,7 @@ class Engine(Protocol):
     model: nn.Module  # call this in training forward passes
     optimizer: torch.optim.Optimizer
     precision: Precision
+    inference_mode_ok: bool  # False: evaluate under no_grad instead of inference_mode
 
     @property
     def eval_model(self) -> nn.Module: ...
@@ -49,7 +52,12 @@ class Engine(Protocol):
 
 
 class TorchEngine:
-    """Engine for torch-native wrappers (DDP today): autocast, GradScaler, clipping, DCP state."""
+    """Engine for torch-native wrappers (DDP, FSDP2, ZeRO optimizers).
+
+    What differs between them is passed in rather than subclassed: how gradient
+    sync is paused during accumulation, which module evaluates, whether autocast
+    runs (FSDP2 casts parameters itself), the loss scaler and how grads are zeroed.
+    """
 
     def __init__(
         self,
@@ -59,23 +67,35 @@ class TorchEngine:
         precision: Precision,
         device: torch.device,
         grad_clip: float | None,
+        *,
+        pause_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+        eval_module: nn.Module | None = None,
+        use_autocast: bool = True,
+        scaler: Any = "default",
+        grads_to_none: bool = True,
+        inference_mode_ok: bool = True,
     ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
-        self.scaler = precision.grad_scaler(device)
+        self._pause_sync = pause_sync
+        self._eval_module = eval_module if eval_module is not None else module
+        self._use_autocast = use_autocast
+        self.scaler = precision.grad_scaler(device) if scaler == "default" else scaler
+        self._grads_to_none = grads_to_none
+        self.inference_mode_ok = inference_mode_ok
 
     @property
     def eval_model(self) -> nn.Module:
-        # The bare module: DDP's forward would broadcast buffers, a collective eval doesn't need.
-        return self.module
+        return self._eval_module
 
     def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
-        no_sync = getattr(self.model, "no_sync", None)
-        if enabled or no_sync is None:
+        if enabled or self._pause_sync is None:
             return contextlib.nullcontext()
-        return no_sync()
+        return self._pause_sync()
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if not self._use_autocast:
+            return contextlib.nullcontext()
         return self.precision.autocast(self.device)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -93,7 +113,7 @@ class TorchEngine:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         return norm
 
     def save(self, directory: Path) -> None:
@@ -123,3 +143,16 @@ class TorchEngine:
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+    """Recompute each block in backward: only one block's activations are alive at a time."""
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

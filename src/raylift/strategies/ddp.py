@@ -9,12 +9,18 @@ from torch.nn.parallel import DistributedDataParallel
 from raylift.config import Config
 from raylift.optim import build_optimizer
 from raylift.precision import Precision
-from raylift.strategies.base import TorchEngine
+from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 
 
 def build_ddp(
-    model: nn.Module, cfg: Config, precision: Precision, device: torch.device
+    model: nn.Module,
+    cfg: Config,
+    precision: Precision,
+    device: torch.device,
+    blocks: list[nn.Module],
 ) -> TorchEngine:
+    if cfg.strategy.activation_checkpointing:
+        apply_activation_checkpointing(blocks)
     model = model.to(device=device, dtype=precision.param_dtype)
     ddp = DistributedDataParallel(
         model,
@@ -25,4 +31,15 @@ def build_ddp(
         gradient_as_bucket_view=True,
     )
     optimizer = build_optimizer(model, cfg.optim)
-    return TorchEngine(ddp, model, optimizer, precision, device, cfg.train.grad_clip)
+    # Evaluate the bare module: DDP's forward would broadcast buffers, a collective
+    # that evaluation does not need.
+    return TorchEngine(
+        ddp,
+        model,
+        optimizer,
+        precision,
+        device,
+        cfg.train.grad_clip,
+        pause_sync=ddp.no_sync,
+        eval_module=model,
+    )

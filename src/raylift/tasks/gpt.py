@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.checkpoint import checkpoint
 
 from raylift.tasks.base import Batch, Columns
 
@@ -55,7 +54,6 @@ class GPT(nn.Module):
         n_head: int,
         d_model: int,
         dropout: float = 0.0,
-        activation_checkpointing: bool = False,
     ):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, d_model)
@@ -64,7 +62,6 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, VOCAB, bias=False)
         self.head.weight = self.tok.weight  # tied embeddings
-        self.activation_checkpointing = activation_checkpointing
         self.apply(self._init)
 
     @staticmethod
@@ -78,11 +75,7 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for block in self.blocks:
-            if self.activation_checkpointing and self.training:
-                # Recompute the block in backward: activations of one block instead of all.
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
+            x = block(x)
         return self.head(self.ln_f(x))
 
 
@@ -112,21 +105,15 @@ class GPTTask:
         corpus: str = "stdlib",
         max_bytes: int | None = 2_000_000,
         val_percent: int = 5,
-        activation_checkpointing: bool = False,
     ):
         if d_model % n_head:
             raise ValueError("task_args.d_model: must be divisible by task_args.n_head")
         if not 0 < val_percent < 100:
             raise ValueError("task_args.val_percent: must be between 0 and 100")
-        self.block_size, self.n_layer, self.n_head, self.d_model = (
-            block_size,
-            n_layer,
-            n_head,
-            d_model,
-        )
+        self.block_size, self.n_layer = block_size, n_layer
+        self.n_head, self.d_model = n_head, d_model
         self.dropout, self.corpus, self.max_bytes = dropout, corpus, max_bytes
         self.val_percent = val_percent
-        self.activation_checkpointing = activation_checkpointing
         self.tokens_per_sample = block_size
 
     def root(self) -> Path:
@@ -142,7 +129,6 @@ class GPTTask:
             self.n_head,
             self.d_model,
             self.dropout,
-            self.activation_checkpointing,
         )
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:

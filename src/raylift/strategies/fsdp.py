@@ -1,0 +1,94 @@
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded across ranks.
+
+Applied torchtitan's way: per repeated block first, then at the root, so each
+block's parameters are gathered just before it runs and freed after. Mixed
+precision is FSDP2's own ``MixedPrecisionPolicy`` (low-precision parameters for
+compute, fp32 gradient reduction); no autocast is layered on top.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from raylift.config import Config
+from raylift.optim import build_optimizer
+from raylift.precision import Precision
+from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
+
+
+def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
+    if precision.autocast_dtype is None:  # 32 and bf16-true: compute in the parameters' dtype
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _no_grad_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate locally: no reduce-scatter until the last micro-batch."""
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def build_fsdp(
+    model: nn.Module,
+    cfg: Config,
+    precision: Precision,
+    device: torch.device,
+    blocks: list[nn.Module],
+) -> TorchEngine:
+    import torch.distributed as dist
+
+    s = cfg.strategy
+    if s.cpu_offload and device.type != "cuda":
+        raise ValueError(
+            "strategy.cpu_offload: offloading to the CPU needs GPU workers "
+            "(scaling.use_gpu: true); on CPU workers the parameters already are there"
+        )
+    model = model.to(device=device, dtype=precision.param_dtype)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if s.activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    offload: OffloadPolicy = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
+    policy = mp_policy(precision)
+    for block in blocks:
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=policy,
+            offload_policy=offload,
+            reshard_after_forward=s.reshard_after_forward,
+        )
+    # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
+    fully_shard(
+        model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False
+    )
+    optimizer = build_optimizer(model, cfg.optim)
+    # Each rank sees only its gradient shards: the scaler must agree on inf across ranks.
+    scaler = ShardedGradScaler(device.type) if precision.use_scaler else None
+    return TorchEngine(
+        model,
+        model,
+        optimizer,
+        precision,
+        device,
+        cfg.train.grad_clip,
+        pause_sync=lambda: _no_grad_sync(model),
+        use_autocast=False,
+        scaler=scaler,
+        inference_mode_ok=False,
+    )

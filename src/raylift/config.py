@@ -92,11 +92,16 @@ class ScalingConfig:
 @dataclasses.dataclass
 class StrategyConfig:
     name: str = "ddp"
-    activation_checkpointing: bool = False  # ddp, fsdp: recompute each block in backward
+    activation_checkpointing: bool = False  # recompute each block in backward
     find_unused_parameters: bool = False  # ddp
     bucket_cap_mb: float = 25.0  # ddp
     reshard_after_forward: bool = True  # fsdp: free gathered params after forward (ZeRO-3)
     cpu_offload: bool = False  # fsdp: params, grads, optimizer state in host memory
+    zero_stage: int = 2  # deepspeed: 0 (DDP-like) .. 3 (everything sharded)
+    offload: bool = False  # deepspeed: shorthand for offload_optimizer (+ offload_param at 3)
+    offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU
+    offload_param: bool = False  # deepspeed, stage 3: parameters in host memory
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # deepspeed: raw keys, win
 
     def problems(self) -> list[str]:
         if self.name not in STRATEGIES:
@@ -113,16 +118,25 @@ class StrategyConfig:
         ]
         if self.bucket_cap_mb <= 0:
             out.append("strategy.bucket_cap_mb: must be > 0")
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"strategy.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.offload_param and self.zero_stage != 3:
+            out.append("strategy.offload_param: needs strategy.zero_stage: 3")
         return out
 
 
 # Which strategies read each option; setting one the chosen strategy ignores is an error.
 STRATEGY_OPTIONS = {
-    "activation_checkpointing": ("ddp", "fsdp"),
+    "activation_checkpointing": ("ddp", "fsdp", "deepspeed", "fairscale"),
     "find_unused_parameters": ("ddp",),
     "bucket_cap_mb": ("ddp",),
     "reshard_after_forward": ("fsdp",),
     "cpu_offload": ("fsdp",),
+    "zero_stage": ("deepspeed",),
+    "offload": ("deepspeed",),
+    "offload_optimizer": ("deepspeed",),
+    "offload_param": ("deepspeed",),
+    "config": ("deepspeed",),
 }
 _DEFAULT_STRATEGY = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
 

@@ -8,7 +8,7 @@ sharded state. The loop never branches on the strategy.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +50,11 @@ class Engine(Protocol):
 
     def load_extra_state(self, state: dict[str, Any]) -> None: ...
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in ``params``, ``grads`` and ``optimizer`` state, counted
+        from the tensors themselves (local shards only); ``grads`` as of the last step."""
+        ...
+
 
 class TorchEngine:
     """Engine for torch-native wrappers (DDP, FSDP2, ZeRO optimizers).
@@ -83,6 +88,7 @@ class TorchEngine:
         self.scaler = precision.grad_scaler(device) if scaler == "default" else scaler
         self._grads_to_none = grads_to_none
         self.inference_mode_ok = inference_mode_ok
+        self._grad_bytes = 0
 
     @property
     def eval_model(self) -> nn.Module:
@@ -113,8 +119,20 @@ class TorchEngine:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self._grad_bytes = max(self._grad_bytes, tensor_bytes(p.grad for p in self._params()))
         self.optimizer.zero_grad(set_to_none=self._grads_to_none)
         return norm
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def model_state_bytes(self) -> dict[str, int]:
+        states = self.optimizer.state.values()
+        return {
+            "params": tensor_bytes(self.module.parameters()),
+            "grads": self._grad_bytes,
+            "optimizer": tensor_bytes(v for st in states for v in st.values()),
+        }
 
     def save(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -156,3 +174,19 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the local data of ``tensors``: a DTensor counts its shard, a tied tensor once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = local.data_ptr()  # tied weights are one tensor; bucket views are not
+        if key in seen and key != 0:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total

@@ -21,7 +21,7 @@ import yaml
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
 # Strategies whose engines exist in this version; the rest are refused at load time.
-IMPLEMENTED_STRATEGIES = ("ddp", "fsdp")
+IMPLEMENTED_STRATEGIES = ("ddp", "fsdp", "fairscale")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 
@@ -138,7 +138,7 @@ STRATEGY_OPTIONS = {
     "offload_param": ("deepspeed",),
     "config": ("deepspeed",),
 }
-_DEFAULT_STRATEGY = {f.name: f.default for f in dataclasses.fields(StrategyConfig)}
+_DEFAULT_STRATEGY = dataclasses.asdict(StrategyConfig())
 
 
 @dataclasses.dataclass

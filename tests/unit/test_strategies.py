@@ -33,8 +33,9 @@ def ddp_curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, 
         {"name": "fsdp"},
         {"name": "fsdp", "reshard_after_forward": False},
         {"name": "fsdp", "activation_checkpointing": True},
+        {"name": "fairscale"},
     ],
-    ids=["fsdp", "fsdp-no-reshard", "fsdp-ac"],
+    ids=["fsdp", "fsdp-no-reshard", "fsdp-ac", "fairscale"],
 )
 def test_loss_curve_matches_ddp(
     tmp_path: Path, ddp_curves: dict, strategy: dict, precision: str, rel: float

@@ -11,12 +11,17 @@ from raylift.config import Config
 from raylift.precision import Precision
 from raylift.strategies.base import Engine, TorchEngine
 from raylift.strategies.ddp import build_ddp
+from raylift.strategies.fairscale import build_fairscale
 from raylift.strategies.fsdp import build_fsdp
 
 # (model, config, precision, device, the model's repeated blocks) -> engine
 Builder = Callable[[nn.Module, Config, Precision, torch.device, list[nn.Module]], Engine]
 
-BUILDERS: dict[str, Builder] = {"ddp": build_ddp, "fsdp": build_fsdp}
+BUILDERS: dict[str, Builder] = {
+    "ddp": build_ddp,
+    "fsdp": build_fsdp,
+    "fairscale": build_fairscale,
+}
 
 __all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]
 

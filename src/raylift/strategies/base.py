@@ -56,6 +56,43 @@ class Engine(Protocol):
         ...
 
 
+class StateIO(Protocol):
+    """How an engine's model + optimizer state is written to and read from a folder."""
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+
+class DCPState:
+    """torch.distributed.checkpoint: each rank writes its shards; loading reshards, so a
+    checkpoint from N ranks loads on M (DDP replicas and FSDP2 shards alike)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def save(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+
+    def load(self, folder: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+
 class TorchEngine:
     """Engine for torch-native wrappers (DDP, FSDP2, ZeRO optimizers).
 
@@ -79,6 +116,8 @@ class TorchEngine:
         scaler: Any = "default",
         grads_to_none: bool = True,
         inference_mode_ok: bool = True,
+        state_io: StateIO | None = None,
+        clip: Callable[[float], torch.Tensor] | None = None,
     ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
@@ -89,6 +128,10 @@ class TorchEngine:
         self._grads_to_none = grads_to_none
         self.inference_mode_ok = inference_mode_ok
         self._grad_bytes = 0
+        self._state_io = state_io or DCPState(model, optimizer)
+        self._clip = clip or (
+            lambda max_norm: nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+        )
 
     @property
     def eval_model(self) -> nn.Module:
@@ -112,7 +155,7 @@ class TorchEngine:
         if self.grad_clip is not None:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+            norm = self._clip(self.grad_clip)
         if self.scaler:
             # Skips the update (and lowers the scale) when a gradient is inf/NaN.
             self.scaler.step(self.optimizer)
@@ -135,25 +178,10 @@ class TorchEngine:
         }
 
     def save(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / "engine"))
+        self._state_io.save(directory / "engine")
 
     def load(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / "engine"))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        self._state_io.load(directory / "engine")
 
     def extra_state(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

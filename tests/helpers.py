@@ -146,3 +146,35 @@ GPT_SMALL = {
     "optim": {"lr": 3e-3, "warmup_steps": 5},
     "train": {"max_steps": 30, "log_every_n_steps": 1, "seed": 0},
 }
+
+
+def full_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters of any wrapped or sharded model, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {
+        k: v.detach().float().clone() for k, v in get_model_state_dict(module, options=opts).items()
+    }
+
+
+def train_keep_checkpoints(rank: int, world: int, cfg_dict: dict, root: str) -> None:
+    """Train to the end, keeping every checkpoint under ``root`` (ranks merge, as in Ray)."""
+    cfg = config_from_dict(cfg_dict)
+    tracker = ListTracker()
+    trainer = make_trainer(cfg, rank, world, LocalReporter(Path(root)), tracker)
+    trainer.run()
+    if rank == 0:
+        torch.save(tracker.series("train_loss"), Path(root) / "loss.pt")
+
+
+def resume_and_record(rank: int, world: int, cfg_dict: dict, ckpt: str, out: str) -> None:
+    """Restore ``ckpt`` at this world size, save the restored params, train on, save losses."""
+    cfg = config_from_dict(cfg_dict)
+    tracker = ListTracker()
+    trainer = make_trainer(cfg, rank, world, LocalReporter(Path(out).parent / f"r{rank}"), tracker)
+    trainer.restore(Path(ckpt))
+    restored = full_params(trainer.engine.module)
+    trainer.run()
+    if rank == 0:
+        torch.save({"params": restored, "loss": tracker.series("train_loss")}, out)

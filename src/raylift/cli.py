@@ -27,7 +27,25 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     _config_args(verbs.add_parser("train", help="one training run on local Ray or RAY_ADDRESS"))
     _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
+    exp = verbs.add_parser("export", help="consolidated fp32 state_dict from a checkpoint")
+    exp.add_argument("path", help="a run folder (storage/name) or a checkpoint-step* folder")
+    exp.add_argument("--out", required=True, help="where to write the state_dict, e.g. model.pt")
     return parser
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from raylift.checkpoint import CheckpointError
+    from raylift.export import export
+
+    try:
+        ckpt, n = export(Path(args.path), Path(args.out))
+    except CheckpointError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
+    return EXIT_OK
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -59,7 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"train": cmd_train, "validate": cmd_validate}
+COMMANDS = {"train": cmd_train, "validate": cmd_validate, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from raylift.cli import main
 from raylift.config import ConfigError, load_config, merge
-from tests.helpers import GPT_SMALL, make_config, run_ranks, train_and_record
+from raylift.export import consolidated_state_dict
+from raylift.tasks import build_task
+from tests.helpers import (
+    GPT_SMALL,
+    make_config,
+    resume_and_record,
+    run_ranks,
+    train_and_record,
+    train_keep_checkpoints,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,5 +59,46 @@ def test_loss_curve_matches_ddp(
 
 
 def test_options_for_another_strategy_are_refused() -> None:
-    with pytest.raises(ConfigError, match="strategy.reshard_after_forward: applies to fsdp"):
+    with pytest.raises(ConfigError, match=r"strategy\.reshard_after_forward: applies to fsdp"):
         load_config(REPO / "configs" / "quickstart.yaml", ["strategy.reshard_after_forward=false"])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale"])
+def test_resume_continues_the_curve_and_reshards_to_one_worker(
+    tmp_path: Path, strategy: str
+) -> None:
+    cfg = make_config(
+        **merge(GPT_SMALL, {"strategy": {"name": strategy}, "checkpoint": {"every_n_steps": 5}})
+    ).to_dict()
+    run_ranks(2, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "full"))
+    full = torch.load(tmp_path / "full" / "loss.pt", weights_only=True)
+    ckpt = tmp_path / "full" / "checkpoint-step00000015"
+    exported = consolidated_state_dict(ckpt)
+
+    # Same world size: the resumed curve is the uninterrupted one.
+    run_ranks(2, tmp_path, resume_and_record, cfg, str(ckpt), str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt", weights_only=True)
+    assert sorted(two["loss"]) == list(range(16, 31))
+    for step, loss in two["loss"].items():
+        assert loss == pytest.approx(full[step], rel=1e-6), step
+
+    # 2 -> 1 worker: the checkpoint reshards; the weights are exactly those saved.
+    run_ranks(1, tmp_path, resume_and_record, cfg, str(ckpt), str(tmp_path / "one.pt"))
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert sorted(one["loss"]) == list(range(16, 31))
+    assert one["params"].keys() == exported.keys()
+    for key, value in exported.items():
+        torch.testing.assert_close(one["params"][key], value, rtol=0, atol=0)
+
+
+def test_export_loads_into_the_plain_model(tmp_path: Path) -> None:
+    cfg = make_config(
+        **merge(GPT_SMALL, {"strategy": {"name": "fsdp"}, "train": {"max_steps": 6}})
+    ).to_dict()
+    run_ranks(2, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "run"))
+    out = tmp_path / "model.pt"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    task = build_task("gpt", GPT_SMALL["task_args"])
+    model = task.build_model()
+    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key matches
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(out)]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,7 @@ def run_ranks(world: int, tmp: Path, fn: Any, *args: Any) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by gloo."""
     import torch.multiprocessing as mp
 
-    init_file = str(tmp / f"pg-{fn.__name__}")
+    init_file = str(tmp / f"pg-{fn.__name__}-{uuid.uuid4().hex[:8]}")  # a store per group
     mp.spawn(_rank_entry, args=(world, init_file, fn, args), nprocs=world, join=True)
 
 
@@ -137,6 +138,7 @@ def train_and_record(rank: int, world: int, cfg_dict: dict, out: str) -> None:
     trainer.run()
     if rank == 0:
         torch.save(tracker.series("train_loss"), out)
+        torch.save(trainer.memory, f"{out}.memory")  # model-state bytes rank 0 held
 
 
 GPT_SMALL = {

@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     _config_args(verbs.add_parser("train", help="one training run on local Ray or RAY_ADDRESS"))
     _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
+    plan = verbs.add_parser("plan", help="memory per worker for each strategy; auto's choice")
+    _config_args(plan)
+    plan.add_argument("--gpus", type=int, required=True, help="world size (workers)")
+    plan.add_argument("--gpu-mem", type=float, required=True, help="memory per worker, GiB")
     exp = verbs.add_parser("export", help="consolidated fp32 state_dict from a checkpoint")
     exp.add_argument("path", help="a run folder (storage/name) or a checkpoint-step* folder")
     exp.add_argument("--out", required=True, help="where to write the state_dict, e.g. model.pt")
@@ -45,6 +49,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from raylift.plan import make_plan, render
+
+    cfg = load_config(args.config, args.overrides)
+    if args.gpus < 1 or args.gpu_mem <= 0:
+        print("raylift: --gpus must be >= 1 and --gpu-mem > 0 (GiB)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(render(make_plan(cfg, args.gpus, args.gpu_mem), args.gpus, args.gpu_mem))
     return EXIT_OK
 
 
@@ -77,11 +92,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"train": cmd_train, "validate": cmd_validate, "export": cmd_export}
+COMMANDS = {
+    "train": cmd_train,
+    "validate": cmd_validate,
+    "export": cmd_export,
+    "plan": cmd_plan,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`plan CONFIG --gpus 8 optim.lr=1e-3`): collect them too.
+    args, extra = parser.parse_known_args(argv)
+    stray = [t for t in extra if "=" not in t or t.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     # `task: mypkg.mod:Class` resolves from the current folder, as `python -m` would.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

@@ -154,6 +154,8 @@ class Trainer:
         self.state = LoopState()
         self.last_metrics: dict[str, float] = {}
         self.interval = Interval.fresh(ctx.device)
+        self.memory_logged = False
+        self.memory: dict[str, float] = {}
 
     def _total_steps(self) -> int:
         by_epochs = self.cfg.train.max_epochs * self.steps_per_epoch
@@ -255,6 +257,8 @@ class Trainer:
         self.state.samples += self.global_batch
         self.interval.samples += self.global_batch
         step, train_cfg = self.state.step, self.cfg.train
+        if not self.memory_logged:
+            self._log_memory()
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
             self._log_interval(self.interval)
             self.interval = Interval.fresh(self.ctx.device)
@@ -265,6 +269,22 @@ class Trainer:
             self.checkpoint(self.last_metrics)
 
     # ------------------------------------------------------------ metrics
+
+    def _log_memory(self) -> None:
+        """Model-state bytes this rank holds, counted from the tensors after the first step."""
+        held = self.engine.model_state_bytes()
+        metrics = {f"model_state_{k}_bytes": float(v) for k, v in held.items()}
+        metrics["model_state_bytes_per_rank"] = float(sum(held.values()))
+        if self.ctx.device.type == "cuda":
+            metrics["cuda_peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+        self.ctx.tracker.log_metrics(metrics, self.state.step)
+        self.memory = metrics
+        self.memory_logged = True
+        mib = metrics["model_state_bytes_per_rank"] / 2**20
+        self.ctx.log(
+            f"model state held by rank 0: {mib:.2f} MiB "
+            + " ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
+        )
 
     def _log_interval(self, interval: Interval) -> None:
         if interval.micro_batches == 0:

@@ -10,6 +10,7 @@ import torch
 from raylift.cli import main
 from raylift.config import ConfigError, load_config, merge
 from raylift.export import consolidated_state_dict
+from raylift.plan import count_params, model_states
 from raylift.tasks import build_task
 from tests.helpers import (
     GPT_SMALL,
@@ -33,7 +34,9 @@ def curve(tmp: Path, strategy: dict, precision: str) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def ddp_curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, float]]:
     tmp = tmp_path_factory.mktemp("ddp")
-    return {p: curve(tmp, {"name": "ddp"}, p) for p in ("32", "bf16-mixed")}
+    curves: dict = {p: curve(tmp, {"name": "ddp"}, p) for p in ("32", "bf16-mixed")}
+    curves["memory"] = tmp / "ddp-32" / "loss.pt.memory"
+    return curves
 
 
 @pytest.mark.parametrize("precision, rel", [("32", 1e-3), ("bf16-mixed", 2e-2)])
@@ -102,3 +105,23 @@ def test_export_loads_into_the_plain_model(tmp_path: Path) -> None:
     model = task.build_model()
     model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key matches
     assert main(["export", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale"])
+def test_planned_model_states_match_what_rank0_holds(
+    ddp_curves: dict, tmp_path: Path, strategy: str
+) -> None:
+    """The plan's ZeRO accounting agrees with the bytes counted from the tensors (world 2)."""
+    cfg = make_config(**merge(GPT_SMALL, {"strategy": {"name": strategy}}))
+    if strategy == "ddp":
+        measured = torch.load(ddp_curves["memory"], weights_only=True)
+    else:
+        curve(tmp_path, {"name": strategy}, "32")
+        out = tmp_path / f"{strategy}-32" / "loss.pt.memory"
+        measured = torch.load(out, weights_only=True)
+    params, grads, optim = model_states(strategy, count_params(cfg), cfg, world=2)
+    assert measured["model_state_params_bytes"] == pytest.approx(params, rel=0.1)
+    assert measured["model_state_grads_bytes"] == pytest.approx(grads, rel=0.1)
+    assert measured["model_state_optimizer_bytes"] == pytest.approx(optim, rel=0.1)
+    total = params + grads + optim
+    assert measured["model_state_bytes_per_rank"] == pytest.approx(total, rel=0.1)

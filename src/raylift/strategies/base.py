@@ -170,7 +170,9 @@ class TorchEngine:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def model_state_bytes(self) -> dict[str, int]:
-        states = self.optimizer.state.values()
+        # A sharded optimizer (fairscale OSS) keeps its partition's state in the inner optimizer.
+        inner = getattr(self.optimizer, "optim", self.optimizer)
+        states = inner.state.values()
         return {
             "params": tensor_bytes(self.module.parameters()),
             "grads": self._grad_bytes,

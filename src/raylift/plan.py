@@ -1,0 +1,231 @@
+"""Memory planning: what each strategy holds per worker, and the choice ``strategy: auto`` makes.
+
+Model states follow the ZeRO paper's accounting (parameters, gradients and
+optimizer state, each either replicated or divided by the world size), with the
+byte widths raylift's engines really use. Activations are measured, not guessed:
+one forward and backward of the task's model on a small batch counts the bytes
+autograd saves, with and without activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from raylift.config import IMPLEMENTED_STRATEGIES, Config, StrategyConfig
+from raylift.precision import resolve_precision
+
+# Share of memory a plan may fill: the rest is the allocator's cache, fragmentation,
+# communication buffers and the CUDA context.
+USABLE = 0.85
+GIB = 2**30
+
+# Candidates in order of increasing communication per step; the first that fits wins.
+CANDIDATES: list[tuple[str, dict]] = [
+    ("ddp", {"name": "ddp"}),
+    ("zero1", {"name": "deepspeed", "zero_stage": 1}),
+    ("fairscale", {"name": "fairscale"}),
+    ("zero2", {"name": "deepspeed", "zero_stage": 2}),
+    ("fsdp", {"name": "fsdp"}),
+    ("zero3", {"name": "deepspeed", "zero_stage": 3}),
+    (
+        "zero3-offload",
+        {"name": "deepspeed", "zero_stage": 3, "offload_optimizer": True, "offload_param": True},
+    ),
+]
+
+# Which model states each strategy divides by the world size: (params, grads, optimizer).
+SHARDED = {
+    "ddp": (False, False, False),
+    "fairscale": (False, False, True),  # OSS partitions optimizer state; grads stay whole
+    "zero1": (False, False, True),
+    "zero2": (False, True, True),
+    "fsdp": (True, True, True),
+    "zero3": (True, True, True),
+    "zero3-offload": (True, True, True),
+}
+
+
+@dataclasses.dataclass
+class Row:
+    label: str
+    strategy: dict
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # at the configured micro-batch
+    activations_ckpt: int  # the same with activation checkpointing
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclasses.dataclass
+class Plan:
+    rows: list[Row]
+    budget: int
+    choice: Row | None
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+
+
+def optimizer_slots(cfg: Config) -> int:
+    """Tensors of optimizer state per parameter: Adam's two moments, SGD's momentum."""
+    if cfg.optim.name == "sgd":
+        return 1 if cfg.optim.momentum else 0
+    return 2
+
+
+def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds on the device."""
+    width = resolve_precision(cfg.precision).param_dtype.itemsize
+    full = (n_params * width, n_params * width, n_params * width * optimizer_slots(cfg))
+    shards = SHARDED[label]
+    held = [b // world if sharded else b for b, sharded in zip(full, shards, strict=True)]
+    if label == "zero3-offload":  # parameters and optimizer live in host memory
+        held[0], held[2] = 0, 0
+    return held[0], held[1], held[2]
+
+
+def _compute_dtype(cfg: Config) -> torch.dtype:
+    precision = resolve_precision(cfg.precision)
+    return precision.autocast_dtype or precision.param_dtype
+
+
+def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one forward of ``batch``.
+
+    The model runs on the meta device (shapes, no data), so models far larger than
+    this machine's memory can be planned. Weights are cast to the compute dtype, as
+    autocast would; the meta device takes the math attention path, which saves more
+    than fused attention kernels, so the estimate errs high.
+    """
+    from raylift.strategies.base import apply_activation_checkpointing
+    from raylift.tasks import build_task
+    from raylift.tasks.base import blocks_of
+
+    task = build_task(cfg.task, cfg.task_args)
+    dtype = _compute_dtype(cfg)
+    with torch.device("meta"):
+        model = task.build_model().to(dtype)
+    if checkpointing:
+        apply_activation_checkpointing(blocks_of(task, model))
+    params = {id(p) for p in model.parameters()}
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params:
+            key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+            seen[key] = t.numel() * t.element_size()
+        return t
+
+    meta = {k: v.to("meta") for k, v in batch.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        task.loss(model, task.finish(meta, dtype))
+    return sum(seen.values())
+
+
+def activations_per_sample(cfg: Config, checkpointing: bool) -> int:
+    """Saved bytes per sample: the difference between batches of 2 and 1."""
+    from raylift.tasks import build_task
+
+    task = build_task(cfg.task, cfg.task_args)
+    cols = next(iter(task.sources().values()))
+    sample = task.preprocess({k: v[:8] for k, v in cols.items()})
+    one = {k: torch.from_numpy(v[:1].copy()) for k, v in sample.items()}
+    two = {k: torch.from_numpy(v[:2].copy()) for k, v in sample.items()}
+    return max(
+        saved_activation_bytes(cfg, two, checkpointing)
+        - saved_activation_bytes(cfg, one, checkpointing),
+        0,
+    )
+
+
+def count_params(cfg: Config) -> int:
+    from raylift.tasks import build_task
+
+    with torch.device("meta"):  # no memory: a 70B model counts as fast as a small one
+        model = build_task(cfg.task, cfg.task_args).build_model()
+    return sum(p.numel() for p in model.parameters())  # tied weights once
+
+
+def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
+    n_params, batch = count_params(cfg), cfg.data.batch_size
+    per_sample = activations_per_sample(cfg, checkpointing=False)
+    per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
+    rows = [
+        Row(
+            label,
+            strategy,
+            *model_states(label, n_params, cfg, gpus),
+            per_sample * batch,
+            per_sample_ckpt * batch,
+        )
+        for label, strategy in CANDIDATES
+    ]
+    budget = int(gpu_mem_gib * GIB * USABLE)
+    usable = [r for r in rows if r.strategy["name"] in IMPLEMENTED_STRATEGIES]
+    for row in usable:
+        for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
+            if row.states + act * batch <= budget:
+                return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum)
+    # Nothing fits at the configured micro-batch: the largest that fits, same global batch.
+    for row in usable:
+        room = budget - row.states
+        if room >= per_sample_ckpt > 0:
+            micro = min(batch, room // per_sample_ckpt)
+            accum = cfg.train.grad_accum * -(-batch // micro)
+            return Plan(rows, budget, row, True, int(micro), accum)
+    return Plan(rows, budget, None, True, 0, 0)
+
+
+def resolve_auto(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
+    """The concrete strategy ``strategy: auto`` runs as, for this world size and device."""
+    plan = make_plan(cfg, world, device_mem_bytes / GIB)
+    if plan.choice is None:
+        raise ValueError(
+            f"strategy: auto: no strategy fits this model in {device_mem_bytes / GIB:.1f} GiB "
+            f"per worker at world size {world}; add workers or use larger devices"
+        )
+    return StrategyConfig(**plan.choice.strategy, activation_checkpointing=plan.checkpointing)
+
+
+def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
+    def mib(b: int) -> str:
+        return f"{b / 2**20:10.1f}"
+
+    head = (
+        f"memory per worker at world size {gpus}, {gpu_mem_gib:g} GiB each "
+        f"(plan within {USABLE:.0%}: {plan.budget / 2**20:.0f} MiB), in MiB"
+    )
+    lines = [
+        head,
+        f"{'strategy':<15}{'params':>10}{'grads':>10}{'optim':>10}{'states':>10}"
+        f"{'activ.':>10}{'act+ckpt':>10}{'total':>10}  fits",
+    ]
+    for r in plan.rows:
+        total = r.states + r.activations
+        fits = (
+            "yes"
+            if total <= plan.budget
+            else ("with ckpt" if r.states + r.activations_ckpt <= plan.budget else "no")
+        )
+        if r.strategy["name"] not in IMPLEMENTED_STRATEGIES:
+            fits += " (not in this version)"
+        lines.append(
+            f"{r.label:<15}{mib(r.params)}{mib(r.grads)}{mib(r.optimizer)}"
+            f"{mib(r.states)}{mib(r.activations)}{mib(r.activations_ckpt)}"
+            f"{mib(total)}  {fits}"
+        )
+    if plan.choice is None:
+        lines.append("choice: nothing fits; add workers or use larger devices")
+    else:
+        extra = ", activation_checkpointing: true" if plan.checkpointing else ""
+        lines.append(
+            f"choice (strategy: auto): {plan.choice.strategy}{extra}, micro-batch "
+            f"{plan.micro_batch}, grad_accum {plan.grad_accum}"
+        )
+    return "\n".join(lines)

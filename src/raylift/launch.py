@@ -234,6 +234,9 @@ def worker_main(payload: dict[str, Any]) -> None:
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
     device = ray.train.torch.get_device()
+    if cfg.strategy.name == "auto":
+        cfg.strategy = _resolve_auto(cfg, world, device, rt.get_local_world_size())
+        _print0(rank)(f"strategy auto -> {cfg.strategy}")
     d = cfg.data
     source = RayShardSource(
         rows=payload["rows"]["train"],
@@ -265,6 +268,20 @@ def worker_main(payload: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             trainer.restore(Path(directory))
     trainer.run()
+
+
+def _resolve_auto(cfg: Config, world: int, device: Any, local_world: int) -> Any:
+    """Every rank plans from the same numbers (its device's memory), so all choose alike."""
+    import psutil
+    import torch
+
+    from raylift.plan import resolve_auto
+
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:  # CPU workers share the host's memory
+        memory = psutil.virtual_memory().total // max(local_world, 1)
+    return resolve_auto(cfg, world, memory)
 
 
 class RayReporter:

@@ -165,3 +165,29 @@ def test_ctrl_c_of_the_driver_then_rerun_resumes(ray_cluster: str, in_tmp: Path)
     ckpt_step, step = int(found.group(1)), int(found.group(2))
     assert step == ckpt_step >= 20 and f"checkpoint-step{ckpt_step:08d}" in {p.name for p in saved}
     assert "at step 440" in resumed.stdout  # ran on to the end: 20 epochs x 22 steps
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fairscale"])
+def test_sharded_run_on_ray_resumes_on_fewer_workers(
+    ray_cluster: str, in_tmp: Path, strategy: str
+) -> None:
+    """Each rank writes its shards to its own folder; Ray merges them; 2 -> 1 worker resumes."""
+    common = [
+        f"name=shard-{strategy}",
+        "task_args.max_bytes=200000",
+        "task_args.n_layer=2",
+        "task_args.d_model=64",
+        "task_args.block_size=64",
+        "train.eval_every_n_steps=null",
+        "train.log_every_n_steps=4",
+        "checkpoint.every_n_steps=4",
+        "optim.warmup_steps=2",
+    ]
+    path = REPO / "configs" / f"gpt-{strategy}.yaml"
+    first = train(load_config(path, [*common, "train.max_steps=8"]))
+    assert first.metrics["step"] == 8
+    second = train(load_config(path, [*common, "train.max_steps=12", "scaling.num_workers=1"]))
+    assert second.run_id == first.run_id and second.metrics["step"] == 12
+    client, _ = mlflow_run(in_tmp, second.run_id)
+    assert sorted(history(client, second.run_id, "train_loss")) == [4, 8, 12]
+    assert history(client, second.run_id, "model_state_bytes_per_rank")

@@ -1,0 +1,60 @@
+"""The memory planner: accounting, the order of choices, the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raylift.cli import main
+from raylift.config import load_config
+from raylift.plan import (
+    GIB,
+    USABLE,
+    activations_per_sample,
+    count_params,
+    make_plan,
+    model_states,
+    resolve_auto,
+)
+
+GPT = Path(__file__).resolve().parents[2] / "configs" / "gpt-tiny.yaml"
+
+
+def test_zero_accounting_at_world_size_4() -> None:
+    cfg = load_config(GPT, ["precision=32"])
+    n = 1000
+    assert model_states("ddp", n, cfg, 4) == (4000, 4000, 8000)
+    assert model_states("zero1", n, cfg, 4) == (4000, 4000, 2000)
+    assert model_states("zero2", n, cfg, 4) == (4000, 1000, 2000)
+    assert model_states("fsdp", n, cfg, 4) == (1000, 1000, 2000)
+    assert model_states("zero3-offload", n, cfg, 4) == (0, 1000, 0)
+    bf16 = load_config(GPT, ["precision=bf16-true", "optim.name=sgd", "optim.momentum=0"])
+    assert model_states("ddp", n, bf16, 4) == (2000, 2000, 0)
+
+
+def test_activation_checkpointing_saves_less() -> None:
+    cfg = load_config(GPT)
+    plain, ckpt = activations_per_sample(cfg, False), activations_per_sample(cfg, True)
+    assert 0 < ckpt < plain / 2
+
+
+def test_choice_moves_down_the_list_as_memory_shrinks() -> None:
+    cfg = load_config(GPT, ["precision=32"])
+    states = 16 * count_params(cfg)
+    roomy = resolve_auto(cfg, 2, 64 * GIB)
+    assert roomy.name == "ddp" and not roomy.activation_checkpointing
+    tight = make_plan(cfg, 2, (states * 0.6) / USABLE / GIB)  # DDP's states alone do not fit
+    assert tight.choice is not None and tight.choice.label != "ddp"
+    assert tight.choice.states <= tight.budget
+    with pytest.raises(ValueError, match="no strategy fits"):
+        resolve_auto(cfg, 2, 1024)
+
+
+def test_plan_command_prints_a_table_and_the_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(GPT), "--gpus", "2", "--gpu-mem", "16", "data.batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    for label in ("ddp", "zero1", "zero2", "fsdp", "zero3", "zero3-offload"):
+        assert f"\n{label} " in out
+    assert "choice (strategy: auto): {'name': 'ddp'}" in out
+    assert main(["plan", str(GPT), "--gpus", "0", "--gpu-mem", "16"]) == 2

@@ -73,7 +73,7 @@ def test_every_problem_is_reported_at_once() -> None:
         ("checkpoint.keep=0", "checkpoint.keep", ">= 1"),
         ("task=nosuchpkg.mod:Task", "task", "cannot import"),
         ("task_args.nope=1", "task_args.nope", "takes no argument"),
-        ("strategy.name=fsdp", "strategy.name", "not available in this version"),
+        ("strategy.cpu_offload=true", "strategy.cpu_offload", "applies to fsdp, not to 'ddp'"),
         ("train.early_stopping.mode=up", "train.early_stopping.mode", "'min' or 'max'"),
     ],
 )

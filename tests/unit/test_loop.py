@@ -114,7 +114,11 @@ def test_bf16_true_keeps_weights_in_bf16(tmp_path: Path, pg: None) -> None:
 def test_16_mixed_skips_inf_step_and_lowers_scale(pg: None) -> None:
     model = torch.nn.Linear(4, 2)
     engine = build_ddp(
-        model, make_config(precision="16-mixed"), resolve_precision("16-mixed"), torch.device("cpu")
+        model,
+        make_config(precision="16-mixed"),
+        resolve_precision("16-mixed"),
+        torch.device("cpu"),
+        blocks=[],
     )
     assert engine.scaler is not None
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -21,7 +21,7 @@ import yaml
 PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
 # Strategies whose engines exist in this version; the rest are refused at load time.
-IMPLEMENTED_STRATEGIES = ("ddp", "fsdp", "fairscale")
+IMPLEMENTED_STRATEGIES = ("ddp", "fsdp", "fairscale", "deepspeed")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 
@@ -51,6 +51,11 @@ class DataConfig:
             out.append("data.prefetch_batches: must be >= 0 (0 turns prefetching off)")
         if self.shuffle_buffer < 0:
             out.append("data.shuffle_buffer: must be >= 0 (0 turns local shuffling off)")
+        if self.shards is not None:
+            out.append(
+                "data.shards: reading offline-prepared shards is not available in this "
+                "version; remove it (each run preprocesses with Ray Data in memory)"
+            )
         return out
 
 
@@ -106,7 +111,7 @@ class StrategyConfig:
     def problems(self) -> list[str]:
         if self.name not in STRATEGIES:
             return [f"strategy.name: unknown strategy {self.name!r}; choose one of {STRATEGIES}"]
-        if self.name not in IMPLEMENTED_STRATEGIES:
+        if self.name not in (*IMPLEMENTED_STRATEGIES, "auto"):
             return [
                 f"strategy.name: {self.name!r} is not available in this version of raylift; "
                 f"use one of {IMPLEMENTED_STRATEGIES}"

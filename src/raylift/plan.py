@@ -82,7 +82,10 @@ def optimizer_slots(cfg: Config) -> int:
 def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds on the device."""
     width = resolve_precision(cfg.precision).param_dtype.itemsize
-    full = (n_params * width, n_params * width, n_params * width * optimizer_slots(cfg))
+    optimizer = n_params * width * optimizer_slots(cfg)
+    if label.startswith("zero"):
+        optimizer += n_params * 4  # DeepSpeed's ZeRO keeps an fp32 master copy of its partition
+    full = (n_params * width, n_params * width, optimizer)
     shards = SHARDED[label]
     held = [b // world if sharded else b for b, sharded in zip(full, shards, strict=True)]
     if label == "zero3-offload":  # parameters and optimizer live in host memory

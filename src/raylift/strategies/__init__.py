@@ -11,6 +11,7 @@ from raylift.config import Config
 from raylift.precision import Precision
 from raylift.strategies.base import Engine, TorchEngine
 from raylift.strategies.ddp import build_ddp
+from raylift.strategies.deepspeed import build_deepspeed
 from raylift.strategies.fairscale import build_fairscale
 from raylift.strategies.fsdp import build_fsdp
 
@@ -21,6 +22,7 @@ BUILDERS: dict[str, Builder] = {
     "ddp": build_ddp,
     "fsdp": build_fsdp,
     "fairscale": build_fairscale,
+    "deepspeed": build_deepspeed,
 }
 
 __all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]

@@ -1,0 +1,424 @@
+"""DeepSpeed ZeRO (stages 0-3, optional CPU offload) behind raylift's engine seam.
+
+DeepSpeed owns what it is built around: gradient accumulation, reduction,
+clipping, mixed precision and the sharded optimizer step. raylift keeps its own
+torch optimizer (DeepSpeed steps it on its partitions), so the loop's LR
+schedule drives the very ``param_groups`` DeepSpeed reads.
+
+The loop calls ``backward`` on every micro-batch and ``step`` once per
+accumulation group; DeepSpeed counts micro-batches itself and applies the update
+on the last one, so ``backward`` hands each micro-batch to DeepSpeed's
+``backward`` + ``step`` and ``step`` has nothing left to do. ``deepspeed`` is
+imported only when this strategy is built, never with raylift itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raylift.config import Config, merge
+from raylift.optim import build_optimizer
+from raylift.precision import Precision
+from raylift.strategies.base import apply_activation_checkpointing
+
+TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
+ENGINE_DIR = "engine"
+# Per-rank ZeRO partition files DeepSpeed writes under <folder>/<tag>/ (one per DP rank).
+_PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+# Gradient storage DeepSpeed's ZeRO optimizers keep (names as in deepspeed/runtime/zero/).
+_GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition")
+_GRAD_ATTRS_STAGE3 = ("grad_partitions_flat_buffer",)
+# fp32 master partitions, where DeepSpeed keeps them apart from the module's parameters.
+_MASTER_ATTRS = (
+    "single_partition_of_fp32_groups",  # ZeRO 1/2
+    "fp32_partitioned_groups_flat",  # ZeRO 3
+    "fp32_groups_flat_partition",  # BF16_Optimizer (bf16 without ZeRO)
+    "fp32_groups_flat",  # FP16_Optimizer (fp16 without ZeRO)
+    "fp32_groups",  # FP16_UnfusedOptimizer (bf16 without ZeRO)
+)
+
+
+def import_deepspeed(device_type: str) -> Any:
+    """``deepspeed``, on the accelerator matching ``device_type`` ('cpu' or 'cuda').
+
+    DeepSpeed picks its accelerator once per process, at import, from DS_ACCELERATOR.
+    """
+    wanted = "cpu" if device_type == "cpu" else "cuda"
+    os.environ["DS_ACCELERATOR"] = wanted
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise ImportError(
+            f"strategy deepspeed needs the deepspeed package ({exc}); install it with "
+            "pip install 'raylift[deepspeed]', or choose another strategy.name"
+        ) from exc
+    from deepspeed.accelerator import get_accelerator
+
+    have = get_accelerator().device_name()
+    if have != wanted:
+        raise RuntimeError(
+            f"strategy deepspeed: this process already runs DeepSpeed on {have!r} but the "
+            f"worker device is {wanted!r}; DeepSpeed picks one accelerator per process, so "
+            "start a fresh worker process (or set DS_ACCELERATOR before anything imports it)"
+        )
+    return deepspeed
+
+
+def checkpoint_error(message: str) -> Exception:
+    # Late import: raylift.checkpoint imports the strategies package, which imports this.
+    from raylift.checkpoint import CheckpointError
+
+    return CheckpointError(message)
+
+
+# ---------------------------------------------------------------- config
+
+
+def precision_config(precision: Precision) -> dict[str, Any]:
+    if precision.name == "bf16-mixed":
+        # torch.autocast semantics: fp32 weights, bf16 compute. An empty list of
+        # "lower precision safe" modules keeps gradient reduction in fp32, as DDP does.
+        return {
+            "torch_autocast": {
+                "enabled": True,
+                "dtype": "bfloat16",
+                "lower_precision_safe_modules": [],
+            }
+        }
+    if precision.name == "16-mixed":
+        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
+        # overflow check spans all ranks; auto_cast turns float inputs to half.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
+    if precision.name == "bf16-true":
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+def zero_config(cfg: Config) -> dict[str, Any]:
+    s = cfg.strategy
+    if (s.offload or s.offload_optimizer) and s.zero_stage == 0:
+        raise ValueError(
+            "strategy.offload_optimizer: offloading needs a ZeRO optimizer; "
+            "set strategy.zero_stage to 1, 2 or 3"
+        )
+    zero: dict[str, Any] = {"stage": s.zero_stage}
+    if s.offload_optimizer or s.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if s.offload_param or (s.offload and s.zero_stage == 3):
+        zero["offload_param"] = {"device": "cpu"}
+    return zero
+
+
+def ds_config(cfg: Config, precision: Precision) -> dict[str, Any]:
+    """DeepSpeed's config from raylift's; keys under ``strategy.config`` are merged last and win."""
+    base: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
+        "gradient_accumulation_steps": cfg.train.grad_accum,
+        "gradient_clipping": cfg.train.grad_clip or 0.0,
+        "zero_optimization": zero_config(cfg),
+        # raylift's torch optimizer, also under offload (no JIT-compiled CPUAdam).
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # raylift logs; DeepSpeed's progress lines are noise
+        **precision_config(precision),
+    }
+    return merge(base, cfg.strategy.config)
+
+
+# ---------------------------------------------------------------- build
+
+
+def build_deepspeed(
+    model: nn.Module,
+    cfg: Config,
+    precision: Precision,
+    device: torch.device,
+    blocks: list[nn.Module],
+) -> DeepSpeedEngine:
+    config = ds_config(cfg, precision)  # its problems before the slow import
+    deepspeed = import_deepspeed(device.type)
+    use_the_run_process_group()
+    if cfg.strategy.activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
+    model = model.to(device)
+    optimizer = build_optimizer(model, cfg.optim)
+    # DeepSpeed insists on LOCAL_RANK (Ray Train and torchrun set it). In a bare process
+    # group the global rank is the one value that cannot collide with another rank's.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    # Which device DeepSpeed binds is raylift's choice (Ray may share CUDA_VISIBLE_DEVICES).
+    args = argparse.Namespace(device_rank=(device.index or 0) if device.type == "cuda" else 0)
+    ds_engine, _, _, _ = deepspeed.initialize(
+        args=args,
+        model=model,
+        optimizer=optimizer,
+        config=config,
+        dist_init_required=False,  # the run's gloo/nccl group is already up
+    )
+    return DeepSpeedEngine(ds_engine, optimizer, precision, cfg.train.grad_clip)
+
+
+def use_the_run_process_group() -> None:
+    """Have DeepSpeed wrap the process group the run already opened, and add nothing.
+
+    It wraps the run's group when its accelerator names gloo or nccl; with
+    oneccl_bindings_for_pytorch installed the CPU accelerator names 'ccl' instead, and
+    DeepSpeed would open a oneCCL world of its own beside the run's group.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        return
+    if accelerator.communication_backend_name() == "ccl":
+        accelerator._communication_backend_name = dist.get_backend()
+    # On the CPU, wrapping the group JIT-compiles a shared-memory all-reduce that only
+    # DeepSpeed inference calls; marking it unavailable (DeepSpeed keeps this dict for
+    # such edits) spares every fresh machine that compile.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+# ---------------------------------------------------------------- engine
+
+
+class DeepSpeedEngine:
+    """The loop's :class:`~raylift.strategies.base.Engine` over a DeepSpeed engine."""
+
+    def __init__(
+        self,
+        ds_engine: Any,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        grad_clip: float | None,
+    ):
+        self.ds = ds_engine
+        self.model: nn.Module = ds_engine  # its forward gathers ZeRO-3 params and autocasts
+        # raylift's torch optimizer, the one DeepSpeed steps: the loop's LambdaLR writes the
+        # lr into the param_groups DeepSpeed reads (DeepSpeed's ZeRO wrapper is no
+        # torch Optimizer, which LambdaLR insists on).
+        self.optimizer = optimizer
+        self.precision = precision
+        self.stage = int(ds_engine.zero_optimization_stage())
+        # ZeRO-3 all-gathers parameters into place during forward: no inference tensors.
+        self.inference_mode_ok = self.stage < 3
+        self._clipping = bool(grad_clip)
+        self._grad_bytes = 0
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.ds
+
+    def sync(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        # DeepSpeed counts micro-batches and reduces at its own accumulation boundary.
+        return contextlib.nullcontext()
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        # DeepSpeed's forward applies its precision (torch_autocast / fp16 / bf16) itself.
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # The loop already divided by grad_accum: DeepSpeed must not divide again.
+        self.ds.backward(loss, scale_wrt_gas=False)
+        self._grad_bytes = max(self._grad_bytes, self._held_grad_bytes())
+        # A no-op until DeepSpeed's own micro-batch count reaches the accumulation
+        # boundary, which is where the loop calls step(): both count the same batches.
+        self.ds.step()
+
+    def step(self) -> torch.Tensor | None:
+        """The update already happened in the last ``backward``; returns its pre-clip norm."""
+        if not self._clipping:
+            return None
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(norm, dtype=torch.float32)
+
+    # ------------------------------------------------------------ memory
+
+    def _module_params(self) -> list[nn.Parameter]:
+        return list(self.ds.module.parameters())
+
+    def _held_grad_bytes(self) -> int:
+        opt = self.ds.optimizer
+        found: list[Any] = [p.grad for p in self._module_params()]
+        attrs = _GRAD_ATTRS + (_GRAD_ATTRS_STAGE3 if self.stage == 3 else ())
+        found += [getattr(opt, name, None) for name in attrs]
+        found += [getattr(t, "grad", None) for t in self._master_partitions()]
+        return storage_bytes(_tensors_in(found))
+
+    def _master_partitions(self) -> list[torch.Tensor]:
+        opt = self.ds.optimizer
+        return list(_tensors_in([getattr(opt, name, None) for name in _MASTER_ATTRS]))
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of the storage this rank holds, each buffer counted once, in ZeRO's terms.
+
+        ``params``: the module's weights (its partition ``ds_tensor`` at stage 3, plus any
+        parameters ZeRO-3 keeps whole). ``grads``: the most gradient storage held after
+        any backward so far. ``optimizer``: the optimizer's state plus DeepSpeed's fp32
+        master partition, which ZeRO counts as optimizer state and shards with it (from
+        stage 1 DeepSpeed keeps one even when training in fp32).
+        """
+        weights: list[Any] = []
+        for p in self._module_params():
+            weights.append(getattr(p, "ds_tensor", None))
+            weights.append(p.data)  # empty at stage 3 unless DeepSpeed keeps it gathered
+        seen: set[int] = set()
+        params = storage_bytes(_tensors_in(weights), seen)
+        states = [v for st in self.optimizer.state.values() for v in st.values()]
+        # `seen`: a master partition that is the module's own storage is not a second copy.
+        optimizer = storage_bytes(_tensors_in([states, self._master_partitions()]), seen)
+        return {"params": params, "grads": self._grad_bytes, "optimizer": optimizer}
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self, directory: Path) -> None:
+        folder = directory / ENGINE_DIR
+        # DeepSpeed lets rank 0 create the folder; with per-rank local folders each makes its own.
+        folder.mkdir(parents=True, exist_ok=True)
+        self.ds.save_checkpoint(str(folder), tag=TAG)
+
+    def load(self, directory: Path) -> None:
+        folder = directory / ENGINE_DIR
+        saved = saved_world_size(folder)
+        world = dist.get_world_size()
+        if saved is None or saved == world:
+            self._load(folder)
+            return
+        # ZeRO partitions are laid out for `saved` ranks: reshard through DeepSpeed's
+        # universal format. Each rank converts its own copy (no shared file system needed).
+        with tempfile.TemporaryDirectory(prefix="raylift-ds-universal-") as tmp:
+            universal = Path(tmp)
+            to_universal(folder, universal)
+            self._load(universal, universal_format=True)
+
+    def _load(self, folder: Path, universal_format: bool = False) -> None:
+        config = self.ds._config
+        before = config.load_universal_checkpoint
+        # Read by load_checkpoint only, so it can be switched for this one load.
+        config.load_universal_checkpoint = universal_format
+        try:
+            path, _ = self.ds.load_checkpoint(
+                str(folder),
+                tag=TAG,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,  # the loop restores its own schedule
+            )
+        finally:
+            config.load_universal_checkpoint = before
+        if path is None:  # DeepSpeed only warns when it finds nothing
+            raise checkpoint_error(
+                f"{folder}: no DeepSpeed checkpoint with tag {TAG!r} there; the folder is "
+                "incomplete (a rank's files missing?): resume from an earlier checkpoint"
+            )
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}  # the fp16 loss scale lives in DeepSpeed's own checkpoint
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- checkpoint helpers
+
+
+def saved_world_size(folder: Path) -> int | None:
+    """Data-parallel size a checkpoint's ZeRO partitions were written for; None: unpartitioned."""
+    ranks = {
+        int(m.group(1))
+        for f in (folder / TAG).glob("*optim_states.pt")
+        if (m := _PARTITION_FILE.fullmatch(f.name))
+    }
+    return max(ranks) + 1 if ranks else None
+
+
+def to_universal(folder: Path, out: Path) -> None:
+    """DeepSpeed's universal checkpoint of ``folder/TAG`` in ``out/TAG``, loadable at any size."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(folder / TAG),
+        output_folder=str(out / TAG),
+        num_extract_workers=1,  # in-process: a worker must not fork pools of its own
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # plain (non-Megatron) models carry no universal info
+    )
+    try:
+        ds_to_universal.main(args)
+    except Exception as exc:
+        raise checkpoint_error(
+            f"{folder}: converting the DeepSpeed checkpoint written by "
+            f"{saved_world_size(folder)} ranks for {dist.get_world_size()} ranks failed "
+            f"({type(exc).__name__}: {exc}); resume with the world size it was written at"
+        ) from exc
+
+
+def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """A full fp32 ``state_dict`` for the plain model, from a checkpoint written by this engine.
+
+    ``directory`` is a checkpoint folder or its ``engine/`` subfolder. Runs without a
+    process group; tied weights come back under every name the model gives them.
+    """
+    folder = directory / ENGINE_DIR if (directory / ENGINE_DIR).is_dir() else directory
+    if not (folder / TAG).is_dir():
+        raise checkpoint_error(
+            f"{directory}: not a raylift DeepSpeed checkpoint (no {ENGINE_DIR}/{TAG} folder); "
+            "pass a checkpoint-step* folder of a run with strategy deepspeed"
+        )
+    import_deepspeed("cuda" if torch.cuda.is_available() else "cpu")
+    if saved_world_size(folder) is None:
+        return _unpartitioned_state_dict(folder)
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _unpartitioned_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Stage 0 without a partitioned optimizer: the module's weights are saved whole."""
+    files = sorted((folder / TAG).glob("mp_rank_*_model_states.pt"))
+    if not files:
+        raise checkpoint_error(f"{folder / TAG}: no DeepSpeed model states file in it")
+    saved = torch.load(files[0], map_location="cpu", weights_only=True)
+    return {k: v.float() if v.is_floating_point() else v for k, v in saved["module"].items()}
+
+
+# ---------------------------------------------------------------- byte counting
+
+
+def _tensors_in(objs: Iterable[Any]) -> Iterator[torch.Tensor]:
+    """Tensors in ``objs``, looking inside the lists and dicts DeepSpeed keeps them in."""
+    for obj in objs:
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, (list, tuple)):
+            yield from _tensors_in(obj)
+        elif isinstance(obj, dict):
+            yield from _tensors_in(obj.values())
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors``, skipping (and adding to) ``seen``:
+    DeepSpeed hands out views of flat buffers, and the memory held is the buffer, once."""
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in seen:
+            continue
+        seen.add(ptr)
+        total += storage.nbytes()
+    return total

@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from raylift.cli import main as cli_main
 from raylift.config import load_config
 from raylift.launch import train
 
@@ -167,7 +169,7 @@ def test_ctrl_c_of_the_driver_then_rerun_resumes(ray_cluster: str, in_tmp: Path)
     assert "at step 440" in resumed.stdout  # ran on to the end: 20 epochs x 22 steps
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fairscale"])
+@pytest.mark.parametrize("strategy", ["fsdp", "fairscale", "zero3"])
 def test_sharded_run_on_ray_resumes_on_fewer_workers(
     ray_cluster: str, in_tmp: Path, strategy: str
 ) -> None:
@@ -191,3 +193,6 @@ def test_sharded_run_on_ray_resumes_on_fewer_workers(
     client, _ = mlflow_run(in_tmp, second.run_id)
     assert sorted(history(client, second.run_id, "train_loss")) == [4, 8, 12]
     assert history(client, second.run_id, "model_state_bytes_per_rank")
+    out = in_tmp / "model.pt"
+    assert cli_main(["export", str(in_tmp / "runs" / f"shard-{strategy}"), "--out", str(out)]) == 0
+    assert len(torch.load(out, weights_only=True)) > 0

@@ -106,6 +106,9 @@ def _rank_entry(rank: int, world: int, init_file: str, fn: Any, args: tuple) -> 
     init_pg(rank, world, init_file)
     try:
         fn(rank, world, *args)
+        # No rank tears its group down while another still talks to it: gloo aborts
+        # ("terminate called without an active exception") on a pair torn down mid-op.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

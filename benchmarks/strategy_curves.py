@@ -40,6 +40,7 @@ def main() -> None:
     args = argparse.ArgumentParser()
     args.add_argument("--steps", type=int, default=30)
     args.add_argument("--precision", default="32")
+    args.add_argument("--only", nargs="*", default=list(STRATEGIES), help="strategies to run")
     opts = args.parse_args()
     common = [
         f"train.max_steps={opts.steps}",
@@ -52,6 +53,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in STRATEGIES.items():
+            if name != "ddp" and name not in opts.only:
+                continue
             cfg = load_config(REPO / "configs" / "gpt-tiny.yaml", [*common, *overrides])
             out = Path(tmp) / name / "loss.pt"
             run_ranks(2, Path(tmp), train_and_record, cfg.to_dict(), str(out))

@@ -1,9 +1,14 @@
 """FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded across ranks.
 
 Applied torchtitan's way: per repeated block first, then at the root, so each
-block's parameters are gathered just before it runs and freed after. Mixed
-precision is FSDP2's own ``MixedPrecisionPolicy`` (low-precision parameters for
-compute, fp32 gradient reduction); no autocast is layered on top.
+block's parameters are gathered just before it runs and freed after.
+
+Mixed precision: the blocks run on FSDP2's ``MixedPrecisionPolicy`` (bf16
+parameter copies gathered for compute, fp32 gradient reduction) and hand fp32
+back, so the residual stream between blocks stays fp32. The root (embeddings,
+final norm, head) keeps fp32 parameters under autocast, as DDP does. With the
+whole model in bf16 the loss drifted 2.2e-2 from DDP's over 30 gpt-tiny steps;
+this way 5e-3.
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 
 
 def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """The blocks' policy; the root keeps its parameters' dtype and relies on autocast."""
     if precision.autocast_dtype is None:  # 32 and bf16-true: compute in the parameters' dtype
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=precision.autocast_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(
+        param_dtype=precision.autocast_dtype,
+        reduce_dtype=torch.float32,
+        output_dtype=torch.float32,
+    )
 
 
 @contextlib.contextmanager
@@ -75,7 +85,11 @@ def build_fsdp(
         )
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
     fully_shard(
-        model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False
+        model,
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(),
+        offload_policy=offload,
+        reshard_after_forward=False,
     )
     optimizer = build_optimizer(model, cfg.optim)
     # Each rank sees only its gradient shards: the scaler must agree on inf across ranks.
@@ -88,7 +102,6 @@ def build_fsdp(
         device,
         cfg.train.grad_clip,
         pause_sync=lambda: _no_grad_sync(model),
-        use_autocast=False,
         scaler=scaler,
         inference_mode_ok=False,
     )

@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raylift", description=__doc__)
     verbs = parser.add_subparsers(dest="verb", required=True)
     _config_args(verbs.add_parser("train", help="one training run on local Ray or RAY_ADDRESS"))
+    _config_args(verbs.add_parser("tune", help="a Ray Tune sweep from the config's tune: section"))
     _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
+    prep = verbs.add_parser("prep", help="preprocess once with Ray Data into parquet shards")
+    _config_args(prep)
+    prep.add_argument("--force", action="store_true", help="prepare again, replacing the shards")
     plan = verbs.add_parser("plan", help="memory per worker for each strategy; auto's choice")
     _config_args(plan)
     plan.add_argument("--gpus", type=int, required=True, help="world size (workers)")
@@ -63,6 +67,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_prep(args: argparse.Namespace) -> int:
+    from raylift.data.shards import ShardError, default_location, fingerprint, prep
+    from raylift.launch import connect_ray
+    from raylift.tasks import build_task
+
+    cfg = load_config(args.config, args.overrides)
+    task = build_task(cfg.task, cfg.task_args)
+    root = cfg.data.shards or default_location(cfg, fingerprint(cfg, task))
+    try:
+        result = prep(cfg, task, root, force=args.force, connect=lambda: connect_ray(cfg))
+    except ShardError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    m = result.manifest
+    rows = ", ".join(f"{s} {m.rows(s):,} rows in {len(m.splits[s])} file(s)" for s in m.splits)
+    if result.skipped:
+        print(f"raylift: {root} is already prepared for this task ({rows}); nothing to do")
+    else:
+        print(f"raylift: prepared {root} in {result.seconds:.1f} s: {rows}")
+    return EXIT_OK
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from raylift.tune import parse_sweep, render, tune_run
+
+    cfg = load_config(args.config, args.overrides)
+    spec = parse_sweep(cfg)  # a bad tune: section fails here, before Ray starts
+    result = tune_run(cfg)
+    print(render(result, spec.metric))
+    if result.best is None:
+        print(f"raylift: sweep {result.name!r}: no trial reported {spec.metric}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"raylift: sweep {result.name!r} finished in {result.seconds:.0f} s; best trial "
+        f"{result.best.trial_id}: {spec.metric} {result.best.metric:.4f}"
+    )
+    if result.best_config:
+        print(f"raylift: best config: {result.best_config} (raylift train {result.best_config})")
+    print(f"raylift: MLflow parent run {result.parent_run_id}")
+    return EXIT_OK
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     print(dump_config(cfg), end="")
@@ -70,11 +116,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from raylift.data.shards import ShardError
     from raylift.launch import RunFailed, train
 
     cfg = load_config(args.config, args.overrides)
     try:
         result = train(cfg)
+    except ShardError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except RunFailed as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -95,6 +145,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 COMMANDS = {
     "train": cmd_train,
     "validate": cmd_validate,
+    "prep": cmd_prep,
+    "tune": cmd_tune,
     "export": cmd_export,
     "plan": cmd_plan,
 }

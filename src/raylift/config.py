@@ -40,8 +40,9 @@ class DataConfig:
     batch_size: int = 64
     eval_batch_size: int | None = None
     prefetch_batches: int = 4
-    shuffle_buffer: int = 0
-    shards: str | None = None
+    shuffle: bool = True  # a new seeded order of row groups, and of rows in each, every epoch
+    shards: str | None = None  # prepared by `raylift prep`; unset: prepared under storage/shards
+    cache: bool = False  # hold the prepared data in Ray's object store across epochs
 
     def problems(self) -> list[str]:
         out = _positive(self, "batch_size", "data")
@@ -49,13 +50,8 @@ class DataConfig:
             out += _positive(self, "eval_batch_size", "data")
         if self.prefetch_batches < 0:
             out.append("data.prefetch_batches: must be >= 0 (0 turns prefetching off)")
-        if self.shuffle_buffer < 0:
-            out.append("data.shuffle_buffer: must be >= 0 (0 turns local shuffling off)")
-        if self.shards is not None:
-            out.append(
-                "data.shards: reading offline-prepared shards is not available in this "
-                "version; remove it (each run preprocesses with Ray Data in memory)"
-            )
+        if self.shards is not None and not self.shards.strip():
+            out.append("data.shards: empty; give a folder (or s3:// gs:// URI) or remove the key")
         return out
 
 

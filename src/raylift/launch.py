@@ -8,6 +8,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +53,13 @@ def resolve_storage(storage: str) -> str:
     return str(Path(storage).expanduser().resolve())
 
 
-def local_num_cpus(cfg: Config) -> int:
-    # Ray Data's split coordinator and iterators need CPU slots beside the Train workers.
-    needed = math.ceil(cfg.scaling.max_workers * cfg.scaling.cpus_per_worker) + 1
+def local_num_cpus(cfg: Config, workers: int | None = None) -> int:
+    """Logical CPUs for a private local Ray: every worker's slot, plus one for Ray Data.
+
+    ``workers`` overrides the run's own count (a sweep runs several runs at once).
+    """
+    workers = cfg.scaling.max_workers if workers is None else workers
+    needed = math.ceil(workers * cfg.scaling.cpus_per_worker) + 1
     return max(os.cpu_count() or 1, needed)
 
 
@@ -76,7 +81,7 @@ def user_code_env(task: str) -> dict[str, Any]:
     return {"py_modules": [str(path)]}
 
 
-def connect_ray(cfg: Config) -> None:
+def connect_ray(cfg: Config, workers: int | None = None) -> None:
     """Join ``RAY_ADDRESS`` if set, else start a private local Ray for this run."""
     import ray
 
@@ -101,7 +106,7 @@ def connect_ray(cfg: Config) -> None:
     # listens on 127.0.0.1 only.
     ray.init(
         address="local",
-        num_cpus=local_num_cpus(cfg),
+        num_cpus=local_num_cpus(cfg, workers),
         include_dashboard=True,
         dashboard_host="127.0.0.1",
         logging_level=logging.WARNING,
@@ -116,7 +121,9 @@ def run_exists(storage: str, name: str) -> bool:
     return any((Path(storage) / name).glob("checkpoint-step*"))
 
 
-def build_trainer(cfg: Config, storage: str, payload: dict[str, Any], datasets: dict) -> Any:
+def build_trainer(
+    cfg: Config, storage: str, payload: dict[str, Any], callbacks: Sequence[Any] = ()
+) -> Any:
     from ray.train import (
         CheckpointConfig,
         FailureConfig,
@@ -150,22 +157,28 @@ def build_trainer(cfg: Config, storage: str, payload: dict[str, Any], datasets: 
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             worker_runtime_env={"env_vars": dict(WORKER_ENV)},
             logging_config=LoggingConfig(log_level="WARNING"),
+            callbacks=list(callbacks),
         ),
-        datasets=datasets,
     )
 
 
-def train(cfg: Config, log: Any = print) -> TrainResult:
-    """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails."""
-    from raylift.data.sources import build_datasets
+def train(
+    cfg: Config,
+    log: Any = print,
+    parent_run_id: str | None = None,
+    callbacks: Sequence[Any] = (),
+    extra_tags: dict[str, str] | None = None,
+) -> TrainResult:
+    """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
+
+    A sweep's trial passes its parent MLflow run and Tune's report callback.
+    """
+    from raylift.data.shards import cache_in_object_store, shards_for_run
     from raylift.tasks import build_task
 
     started = time.perf_counter()
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     storage = resolve_storage(cfg.storage)
-    connect_ray(cfg)
-    import ray
-
     resume = run_exists(storage, cfg.name)
     uri = tracking.tracking_uri(cfg)
     log(
@@ -174,16 +187,29 @@ def train(cfg: Config, log: Any = print) -> TrainResult:
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     task = build_task(cfg.task, cfg.task_args)
-    datasets, counts = build_datasets(task, int(ray.cluster_resources().get("CPU", 1)))
+    # Shards are checked (or prepared) before any worker starts: a bad folder costs nothing.
+    manifest = shards_for_run(cfg, task, log, connect=lambda: connect_ray(cfg))
+    connect_ray(cfg)
+    cache = cache_in_object_store(manifest, log) if cfg.data.cache else None
+    counts = {s: manifest.rows(s) for s in manifest.splits}
     log(
-        f"raylift: data {counts} rows; {cfg.scaling.num_workers} worker(s), "
-        f"strategy {cfg.strategy.name}, precision {cfg.precision}"
+        f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} "
+        f"worker(s), strategy {cfg.strategy.name}, precision {cfg.precision}"
     )
-    run_id = tracking.start_run(cfg, storage, resume, cfg.scaling.min_workers)
-    payload = {"config": cfg.to_dict(), "rows": counts, "run_id": run_id, "tracking_uri": uri}
+    tags = dict(extra_tags or {})
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_id = tracking.start_run(cfg, storage, resume, cfg.scaling.min_workers, tags)
+    payload = {
+        "config": cfg.to_dict(),
+        "shards": manifest.root,
+        "cache": cache,
+        "run_id": run_id,
+        "tracking_uri": uri,
+    }
     status, tags = "FAILED", {}
     try:
-        result = build_trainer(cfg, storage, payload, datasets).fit()
+        result = build_trainer(cfg, storage, payload, callbacks).fit()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
@@ -224,7 +250,8 @@ def worker_main(payload: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from raylift.data.ingest import RayShardSource
+    from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
+    from raylift.data.shards import read_manifest
     from raylift.loop import NullTracker, Trainer, WorkerContext
     from raylift.tasks import build_task
 
@@ -237,16 +264,23 @@ def worker_main(payload: dict[str, Any]) -> None:
     if cfg.strategy.name == "auto":
         cfg.strategy = _resolve_auto(cfg, world, device, rt.get_local_world_size())
         _print0(rank)(f"strategy auto -> {cfg.strategy}")
+    manifest = read_manifest(payload["shards"])
+    if manifest is None:
+        raise RuntimeError(f"the shards at {payload['shards']} vanished after the run started")
+    store = (
+        ObjectStoreStore(manifest, payload["cache"]) if payload["cache"] else ParquetStore(manifest)
+    )
     d = cfg.data
-    source = RayShardSource(
-        rows=payload["rows"]["train"],
-        world_size=world,
+    source = ShardSource(
+        store,
+        rank,
+        world,
         batch_size=d.batch_size,
         eval_batch_size=d.eval_batch_size or d.batch_size,
-        prefetch_batches=d.prefetch_batches,
-        shuffle_buffer=d.shuffle_buffer,
         seed=cfg.train.seed,
+        prefetch_batches=d.prefetch_batches,
         pin_memory=device.type == "cuda",
+        shuffle=d.shuffle,
     )
     tracker = (
         tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"])

@@ -59,7 +59,8 @@ class WorkerContext:
 class LoopState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches of `epoch` already consumed: the data position
+    batch_in_epoch: int = 0  # micro-batches this rank ran in `epoch` (accumulation phase)
+    epoch_rows: int = 0  # rows of `epoch`'s global order consumed by all ranks: the data position
     samples: int = 0  # global samples trained on
     best: float | None = None  # early stopping
     bad_evals: int = 0
@@ -76,6 +77,7 @@ class Interval:
     samples: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
     paused: float = 0.0  # seconds spent in eval and checkpoints, kept out of throughput
+    data_wait: float = 0.0  # seconds blocked waiting for the next batch
 
     def elapsed(self) -> float:
         return max(time.perf_counter() - self.started - self.paused, 1e-9)
@@ -94,6 +96,15 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """The largest ``value`` over ranks: the slowest worker sets the pace."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def early_stop_update(
@@ -178,7 +189,7 @@ class Trainer:
         self.scheduler.load_state_dict(saved["scheduler"])
         self.ctx.log(
             f"resumed from {directory} at step {self.state.step} "
-            f"(epoch {self.state.epoch}, batch {self.state.batch_in_epoch})"
+            f"(epoch {self.state.epoch}, row {self.state.epoch_rows} of its order)"
         )
         if self._finished():
             self.ctx.log(
@@ -200,7 +211,7 @@ class Trainer:
             if self.state.step >= self.total_steps or self.state.stopped_early:
                 break
             self.state.epoch += 1
-            self.state.batch_in_epoch = 0
+            self.state.batch_in_epoch = self.state.epoch_rows = 0
         if self.last_metrics.get("step") != float(self.state.step):
             self._evaluate_and_report()
         if self.state.step > self.state.last_ckpt_step:
@@ -221,13 +232,26 @@ class Trainer:
         )
 
     def _batches(self) -> Iterator[Batch]:
-        """This epoch's micro-batches from the saved data position, in whole accumulation groups."""
-        usable = self.steps_per_epoch * self.accum
-        for i, batch in enumerate(self.ctx.source.train_batches(self.state.epoch)):
-            if i >= usable:
-                return
-            if i >= self.state.batch_in_epoch:
+        """This epoch's micro-batches from the saved data position, in whole accumulation groups.
+
+        Time blocked on the source is added to the interval's ``data_wait``: a host-side
+        clock, no device sync.
+        """
+        source = self.ctx.source
+        usable = source.remaining_micro_batches(self.state.epoch_rows) // self.accum * self.accum
+        batches = source.train_batches(self.state.epoch, self.state.epoch_rows)
+        try:
+            for _ in range(usable):
+                waited = time.perf_counter()
+                batch = next(batches, None)
+                self.interval.data_wait += time.perf_counter() - waited
+                if batch is None:
+                    return
                 yield batch
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()  # stops the prefetching thread when the epoch ends early
 
     def _train_epoch(self) -> None:
         for batch in self._batches():
@@ -249,6 +273,7 @@ class Trainer:
         self.interval.loss_sum += loss.detach().float()
         self.interval.micro_batches += 1
         self.state.batch_in_epoch += 1
+        self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
 
     def _after_step(self) -> None:
         self.engine.step()
@@ -297,6 +322,9 @@ class Trainer:
         elapsed = interval.elapsed()
         metrics = {
             "train_loss": loss_sum / count,
+            "data_wait_frac": all_reduce_max(
+                min(interval.data_wait / elapsed, 1.0), self.ctx.device
+            ),
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_s": interval.samples / elapsed,
             "epoch": float(self.state.epoch),
@@ -312,7 +340,7 @@ class Trainer:
         self.ctx.log(
             f"epoch {self.state.epoch:>3}  step {self.state.step:>6}/{self.total_steps}  "
             f"loss {m['train_loss']:.4f}  lr {m['lr']:.2e}  {m['samples_per_s']:,.0f} samples/s"
-            f"{tok}  eta {_fmt_time(eta)}"
+            f"{tok}  data wait {m['data_wait_frac']:.0%}  eta {_fmt_time(eta)}"
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -336,13 +364,24 @@ class Trainer:
         totals = all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist() if keys else []
         return self.task.summarize(dict(zip(keys, totals, strict=True)))
 
+    def _epochs_done(self) -> float:
+        """Epochs of data trained on: whole numbers at epoch ends (a sweep's time axis)."""
+        usable = self.steps_per_epoch * self.accum * self.ctx.source.rows_per_micro_batch
+        return self.state.epoch + min(self.state.epoch_rows / max(usable, 1), 1.0)
+
     def _evaluate_and_report(self) -> None:
         started = time.perf_counter()
         metrics = self.evaluate()
         es = self.cfg.train.early_stopping
         if es is not None and early_stop_update(self.state, metrics, es):
             self.state.stopped_early = True
-        metrics = {**metrics, "epoch": float(self.state.epoch), "step": float(self.state.step)}
+        metrics = {
+            **metrics,
+            "epoch": float(self.state.epoch),
+            "epochs_done": self._epochs_done(),
+            "step": float(self.state.step),
+            "stopped_early": float(self.state.stopped_early),
+        }
         self.last_metrics = metrics
         self.ctx.tracker.log_metrics(metrics, self.state.step)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))

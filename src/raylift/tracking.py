@@ -39,7 +39,7 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-def _client(uri: str) -> Any:
+def client(uri: str) -> Any:
     _quiet_mlflow()
     from mlflow.tracking import MlflowClient
 
@@ -51,11 +51,11 @@ def run_key(cfg: Config, storage: str) -> str:
 
 
 def find_run(uri: str, experiment: str, key: str) -> str | None:
-    client = _client(uri)
-    exp = client.get_experiment_by_name(experiment)
+    mlflow = client(uri)
+    exp = mlflow.get_experiment_by_name(experiment)
     if exp is None:
         return None
-    runs = client.search_runs(
+    runs = mlflow.search_runs(
         [exp.experiment_id],
         filter_string=f"tags.`raylift.run_key` = '{key}'",
         order_by=["attributes.start_time DESC"],
@@ -64,12 +64,21 @@ def find_run(uri: str, experiment: str, key: str) -> str | None:
     return runs[0].info.run_id if runs else None
 
 
-def start_run(cfg: Config, storage: str, resume: bool, world_size: int) -> str:
-    """Create the run (or reopen the one being resumed); returns its id."""
+def start_run(
+    cfg: Config,
+    storage: str,
+    resume: bool,
+    world_size: int,
+    extra_tags: Mapping[str, str] | None = None,
+) -> str:
+    """Create the run (or reopen the one being resumed); returns its id.
+
+    ``extra_tags`` may carry ``mlflow.parentRunId``: a sweep's trials are its children.
+    """
     from mlflow.entities import Param, RunTag
 
     uri, key = tracking_uri(cfg), run_key(cfg, storage)
-    client = _client(uri)
+    mlflow = client(uri)
     run_id = find_run(uri, cfg.tracking.experiment, key) if resume else None
     params = {k: str(v)[:6000] for k, v in redact(flatten(cfg.to_dict())).items()}
     tags = {
@@ -79,37 +88,38 @@ def start_run(cfg: Config, storage: str, resume: bool, world_size: int) -> str:
         "raylift.world_size": str(world_size),
         "raylift.task": cfg.task,
         "mlflow.runName": cfg.name,
+        **(extra_tags or {}),
     }
     if run_id is None:
-        exp = client.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(cfg.tracking.experiment)
-        run_id = client.create_run(exp_id, tags=tags).info.run_id
+        exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+        exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.tracking.experiment)
+        run_id = mlflow.create_run(exp_id, tags=tags).info.run_id
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            client.log_batch(run_id, params=items[i : i + 100])
+            mlflow.log_batch(run_id, params=items[i : i + 100])
         return str(run_id)
-    client.update_run(run_id, status="RUNNING")
-    old = client.get_run(run_id).data.params
+    mlflow.update_run(run_id, status="RUNNING")
+    old = mlflow.get_run(run_id).data.params
     # Params are immutable in MLflow: record what this resume changed as tags.
     changed = [
         RunTag(f"raylift.resume_override.{k}", v) for k, v in params.items() if old.get(k) != v
     ]
-    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()] + changed)
+    mlflow.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()] + changed)
     return str(run_id)
 
 
 def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
-    client = _client(uri)
+    mlflow = client(uri)
     for k, v in (tags or {}).items():
-        client.set_tag(run_id, k, v)
-    client.set_terminated(run_id, status=status)
+        mlflow.set_tag(run_id, k, v)
+    mlflow.set_terminated(run_id, status=status)
 
 
 class MlflowTracker:
     """Rank 0's metric writer; other ranks get a NullTracker."""
 
     def __init__(self, uri: str, run_id: str):
-        self.client, self.run_id = _client(uri), run_id
+        self.client, self.run_id = client(uri), run_id
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric

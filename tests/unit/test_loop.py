@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -240,3 +241,32 @@ def test_compile_per_block_trains(tmp_path: Path, pg: None) -> None:
     assert getattr(trainer.engine.module, "_compiled_call_impl", None) is None
     trainer.run()
     assert all(math.isfinite(v) for v in tracker.series("train_loss").values())
+
+
+class SlowSource:
+    """Wraps a source so every train batch takes ``delay`` seconds to arrive."""
+
+    def __init__(self, inner: object, delay: float):
+        self.inner, self.delay = inner, delay
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def train_batches(self, epoch: int, start_row: int) -> Iterator[dict[str, torch.Tensor]]:
+        for batch in self.inner.train_batches(epoch, start_row):  # type: ignore[attr-defined]
+            time.sleep(self.delay)
+            yield batch
+
+
+@pytest.mark.parametrize("delay, low, high", [(0.0, 0.0, 0.3), (0.05, 0.6, 1.0)])
+def test_data_wait_frac_is_the_share_of_step_time_spent_waiting_for_batches(
+    tmp_path: Path, pg: None, delay: float, low: float, high: float
+) -> None:
+    cfg = make_config(**{"train": {"max_steps": 12, "log_every_n_steps": 4}})
+    tracker = ListTracker()
+    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), tracker)
+    trainer.ctx.source = SlowSource(trainer.ctx.source, delay)  # type: ignore[assignment]
+    trainer.run()
+    waits = list(tracker.series("data_wait_frac").values())
+    assert len(waits) == 3
+    assert all(low <= w <= high for w in waits), waits

@@ -1,0 +1,382 @@
+"""Offline preprocessing into parquet shards, and the manifest that vouches for them.
+
+``raylift prep`` runs the task's ``preprocess`` once with Ray Data (``map_batches``
+in parallel over the cluster's CPUs), shuffles the train split globally, and
+writes parquet in small row groups: the unit the streaming reader permutes each
+epoch. A manifest written last records, per split, every file with its row
+groups and size, the schema, and a fingerprint of the task, its args and its
+code; training refuses shards whose files or fingerprint do not match.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from raylift.config import Config
+from raylift.tasks.base import Columns, Task
+
+FORMAT_VERSION = 1
+MANIFEST = "_raylift_manifest.json"
+SPLITS = ("train", "val")
+ROWS_PER_GROUP = 128  # the shuffle unit: small enough to mix well, big enough to read fast
+ROWS_PER_FILE = 16_384
+PREPROCESS_BATCH = 64
+SHUFFLE_SEED = 0  # the offline shuffle's; each epoch's order comes from train.seed
+
+
+class ShardError(ValueError):
+    """Shards missing, incomplete or made for another task; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+    path: str  # relative to the shards folder
+    rows: int
+    bytes: int
+    groups: tuple[int, ...]  # rows per row group, in file order
+    memory: int = 0  # uncompressed bytes: what the file takes in memory
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    root: str
+    fingerprint: str
+    splits: dict[str, tuple[ShardFile, ...]]
+    schema: dict[str, str]
+
+    def rows(self, split: str) -> int:
+        return sum(f.rows for f in self.splits[split])
+
+    def memory(self) -> int:
+        return sum(f.memory for files in self.splits.values() for f in files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+            "schema": self.schema,
+            "rows": {s: self.rows(s) for s in self.splits},
+            "splits": {
+                s: [dataclasses.asdict(f) for f in files] for s, files in self.splits.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, root: str, data: dict[str, Any]) -> Manifest:
+        splits = {
+            s: tuple(
+                ShardFile(f["path"], f["rows"], f["bytes"], tuple(f["groups"]), f["memory"])
+                for f in fs
+            )
+            for s, fs in data["splits"].items()
+        }
+        return cls(root, data["fingerprint"], splits, data["schema"])
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+def fingerprint(cfg: Config, task: Task) -> str:
+    """Changes whenever the prepared rows could: the task, its args, its code, the format."""
+    try:
+        code = inspect.getsource(type(task))
+    except (OSError, TypeError):  # no source on disk: fall back to the class's name
+        code = type(task).__qualname__
+    blob = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "task": cfg.task,
+            "task_args": cfg.task_args,
+            "code": code,
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def default_location(cfg: Config, fp: str) -> str:
+    """Where shards live when ``data.shards`` is unset: beside the runs, keyed by fingerprint."""
+    return _join(cfg.storage, "shards", f"{_slug(cfg.task)}-{fp[:12]}")
+
+
+def _slug(task: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in task).strip("-")
+
+
+def _join(base: str, *parts: str) -> str:
+    if "://" in base:
+        return "/".join([base.rstrip("/"), *parts])
+    return str(Path(base).expanduser().resolve().joinpath(*parts))
+
+
+# ---------------------------------------------------------------- filesystem
+
+
+def _fs(root: str) -> tuple[Any, str]:
+    """A pyarrow filesystem and the path in it, for local folders and s3:// / gs:// alike."""
+    import pyarrow.fs as pafs
+
+    if "://" in root:
+        return pafs.FileSystem.from_uri(root)
+    return pafs.LocalFileSystem(), str(Path(root).expanduser().resolve())
+
+
+def read_manifest(root: str) -> Manifest | None:
+    """The manifest under ``root``, or None when there is none (never prepared, or cut off)."""
+    import pyarrow.fs as pafs
+
+    fs, base = _fs(root)
+    info = fs.get_file_info(f"{base}/{MANIFEST}")
+    if info.type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(f"{base}/{MANIFEST}") as f:
+        data = json.loads(f.read().decode())
+    if data.get("format") != FORMAT_VERSION:
+        return None
+    return Manifest.from_json(root, data)
+
+
+def verify(manifest: Manifest, fp: str | None) -> None:
+    """Every file present at its recorded size, and made for this task; else ShardError."""
+    import pyarrow.fs as pafs
+
+    root = manifest.root
+    if fp is not None and manifest.fingerprint != fp:
+        raise ShardError(
+            f"data.shards: {root} was prepared for another task, task_args or task code; "
+            f"run `raylift prep CONFIG --force` to prepare it again"
+        )
+    fs, base = _fs(root)
+    files = [f for fs_ in manifest.splits.values() for f in fs_]
+    infos = fs.get_file_info([f"{base}/{f.path}" for f in files])
+    for f, info in zip(files, infos, strict=True):
+        if info.type != pafs.FileType.File:
+            problem = "is missing"
+        elif info.size != f.bytes:
+            problem = f"has {info.size} bytes, the manifest says {f.bytes} (truncated?)"
+        else:
+            continue
+        raise ShardError(
+            f"data.shards: {root}/{f.path} {problem}; run `raylift prep CONFIG --force` "
+            "to prepare the shards again"
+        )
+
+
+def open_shards(root: str, fp: str | None) -> Manifest:
+    """The verified manifest of ``root``; ShardError with the fix when it cannot be used."""
+    manifest = read_manifest(root)
+    if manifest is None:
+        raise ShardError(
+            f"data.shards: no prepared shards at {root} (folder or its manifest missing); "
+            "run `raylift prep CONFIG` first, or remove data.shards to prepare them "
+            "automatically under storage/shards"
+        )
+    verify(manifest, fp)
+    return manifest
+
+
+# ---------------------------------------------------------------- prep
+
+
+@dataclasses.dataclass
+class PrepResult:
+    root: str
+    manifest: Manifest
+    skipped: bool  # True: the shards were already there and current
+    seconds: float
+
+
+def prep(
+    cfg: Config,
+    task: Task,
+    root: str,
+    force: bool = False,
+    log: Any = print,
+    connect: Any = None,
+) -> PrepResult:
+    """Preprocess ``task``'s sources into parquet shards under ``root``, once.
+
+    ``connect`` (called only when there is work to do) brings Ray up for Ray Data.
+    """
+    started = time.perf_counter()
+    fp = fingerprint(cfg, task)
+    existing = read_manifest(root)
+    if existing is not None and not force:
+        if existing.fingerprint != fp:
+            raise ShardError(
+                f"data.shards: {root} holds shards of another task, task_args or task code; "
+                "rerun with --force to replace them"
+            )
+        verify(existing, fp)
+        return PrepResult(root, existing, True, time.perf_counter() - started)
+    if connect is not None:
+        connect()
+    if "://" in root:  # object stores have no rename: write in place, the manifest last
+        _clear(root)
+        manifest = _write_all(task, root, fp, log)
+    else:
+        manifest = _write_staged(task, root, fp, log, replace=force)
+    return PrepResult(root, manifest, False, time.perf_counter() - started)
+
+
+def _write_all(task: Task, root: str, fp: str, log: Any) -> Manifest:
+    manifest = _scan(root, fp, _write_splits(task, root, log))
+    _write_manifest(root, manifest)
+    return manifest
+
+
+def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Manifest:
+    """Write beside ``root`` and rename into place: readers never see a half-written folder,
+    and of two runs preparing the same shards at once (a sweep's trials), one wins whole.
+
+    ``replace`` (``--force``) moves existing shards aside; otherwise shards that appeared
+    meanwhile with a manifest are kept, as another run may already be reading them.
+    """
+    import shutil
+    import uuid
+
+    final = Path(root).expanduser().resolve()
+    staging = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        _write_all(task, str(staging), fp, log)
+        old = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.old")
+        if final.exists() and (replace or read_manifest(str(final)) is None):
+            final.rename(old)  # the old shards go only once the new ones are whole
+        with contextlib.suppress(OSError):  # another run put its shards in place first
+            staging.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    manifest = read_manifest(str(final))
+    if manifest is None:
+        raise ShardError(f"data.shards: {final} has no manifest after prep; run prep again")
+    return manifest
+
+
+def _clear(root: str) -> None:
+    import pyarrow.fs as pafs
+
+    fs, base = _fs(root)
+    if fs.get_file_info(base).type == pafs.FileType.Directory:
+        fs.delete_dir_contents(base)  # the manifest goes first with it: no half-valid state
+    fs.create_dir(base, recursive=True)
+
+
+def _rows(cols: Columns) -> list[dict[str, Any]]:
+    n = len(next(iter(cols.values())))
+    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+
+
+def _write_splits(task: Task, root: str, log: Any) -> list[str]:
+    import ray
+    import ray.data
+
+    sources = task.sources()
+    missing = [s for s in SPLITS if s not in sources]
+    if missing:
+        raise ValueError(f"task: sources() must return 'train' and 'val' splits, lacks {missing}")
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    for split in SPLITS:
+        cols = sources[split]
+        n = len(next(iter(cols.values())))
+        blocks = max(1, min(n // PREPROCESS_BATCH, 4 * cpus))
+        ds = ray.data.from_items(_rows(cols), override_num_blocks=blocks).map_batches(
+            task.preprocess, batch_format="numpy", batch_size=PREPROCESS_BATCH
+        )
+        if split == "train":
+            # One global shuffle offline, so each row group is a random sample of the data.
+            ds = ds.random_shuffle(seed=SHUFFLE_SEED)
+        ds.write_parquet(
+            _join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
+        )
+        log(f"raylift: prep wrote split {split!r}")
+    return list(SPLITS)
+
+
+def _scan(root: str, fp: str, splits: list[str]) -> Manifest:
+    """Read back every file's footer: the manifest records what is really on disk."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    fs, base = _fs(root)
+    found: dict[str, tuple[ShardFile, ...]] = {}
+    schema: dict[str, str] = {}
+    for split in splits:
+        infos = fs.get_file_info(pafs.FileSelector(f"{base}/{split}"))
+        files = []
+        for info in sorted((i for i in infos if i.path.endswith(".parquet")), key=lambda i: i.path):
+            with fs.open_input_file(info.path) as f:
+                meta = pq.ParquetFile(f).metadata
+                schema = schema or {
+                    field.name: str(field.type) for field in pq.ParquetFile(f).schema_arrow
+                }
+            groups = [meta.row_group(i) for i in range(meta.num_row_groups)]
+            rel = info.path[len(base) + 1 :]
+            rows = tuple(g.num_rows for g in groups)
+            memory = sum(g.total_byte_size for g in groups)
+            files.append(ShardFile(rel, meta.num_rows, info.size, rows, memory))
+        if not any(f.rows for f in files):
+            raise ValueError(f"task: split {split!r} is empty after preprocessing")
+        found[split] = tuple(f for f in files if f.rows)
+    return Manifest(root, fp, found, schema)
+
+
+def _write_manifest(root: str, manifest: Manifest) -> None:
+    fs, base = _fs(root)
+    with fs.open_output_stream(f"{base}/{MANIFEST}") as f:
+        f.write(json.dumps(manifest.to_json(), indent=1).encode())
+
+
+# ---------------------------------------------------------------- for train
+
+
+def shards_for_run(cfg: Config, task: Task, log: Any = print, connect: Any = None) -> Manifest:
+    """The verified shards a run trains from, prepared once under storage when unnamed.
+
+    A folder the user named in ``data.shards`` is never written by ``train``: when it
+    is missing or stale the run stops before any worker starts and says to run prep.
+    """
+    fp = fingerprint(cfg, task)
+    if cfg.data.shards:
+        return open_shards(cfg.data.shards, fp)
+    root = default_location(cfg, fp)
+    manifest = read_manifest(root)
+    if manifest is not None:
+        try:
+            verify(manifest, fp)
+            return manifest
+        except ShardError as exc:
+            log(f"raylift: {exc}; preparing them again")
+    log(f"raylift: preparing the data once into {root} (`raylift prep` does this ahead of time)")
+    return prep(cfg, task, root, force=manifest is not None, log=log, connect=connect).manifest
+
+
+def cache_in_object_store(manifest: Manifest, log: Any = print) -> dict[str, list[Any]] | None:
+    """``data.cache``: every shard file as an Arrow table in Ray's object store, if it fits."""
+    import pyarrow.parquet as pq
+    import ray
+
+    need = manifest.memory()
+    free = ray.available_resources().get("object_store_memory", 0.0)
+    if need > 0.5 * free:  # leave room for everything else that lives there
+        log(
+            f"raylift: data.cache: the data takes {need / 2**30:.2f} GiB in memory, Ray's object "
+            f"store has {free / 2**30:.2f} GiB free; streaming from the shard files instead "
+            "(start Ray with a larger --object-store-memory, or set data.cache: false)"
+        )
+        return None
+    fs, base = _fs(manifest.root)
+    refs = {
+        split: [ray.put(pq.read_table(f"{base}/{f.path}", filesystem=fs)) for f in files]
+        for split, files in manifest.splits.items()
+    }
+    log(f"raylift: data.cache: {need / 2**20:.1f} MiB of data held in Ray's object store")
+    return refs

@@ -91,7 +91,7 @@ def table_to_numpy(table: Any) -> Columns:
 class ParquetStore:
     """Row groups read from the shard files (local or remote) as they are needed."""
 
-    def __init__(self, manifest: Any, open_files: int = 4):
+    def __init__(self, manifest: Any, open_files: int = 256):
         import ray.data  # noqa: F401  registers Ray's tensor column type with pyarrow
 
         from raylift.data.shards import _fs
@@ -164,27 +164,40 @@ class EpochOrder:
         rng = np.random.default_rng([self.seed, self.epoch])
         n = len(self.sizes)
         self.groups = rng.permutation(n) if self.shuffle else np.arange(n)
-        self.starts = np.concatenate([[0], np.cumsum([self.sizes[g] for g in self.groups])])
+        starts = np.concatenate([[0], np.cumsum([self.sizes[g] for g in self.groups])])
+        self.starts: list[int] = [int(x) for x in starts]
 
     @property
     def total(self) -> int:
-        return int(self.starts[-1])
+        return self.starts[-1]
 
     def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
         """(group, lo, hi) row ranges, in the epoch's order, that make up rows [start, stop)."""
         out = []
-        i = bisect.bisect_right(self.starts.tolist(), start) - 1
+        i = bisect.bisect_right(self.starts, start) - 1
         while start < stop:
-            g, g_start = int(self.groups[i]), int(self.starts[i])
-            hi = min(stop, int(self.starts[i + 1]))
+            g, g_start = int(self.groups[i]), self.starts[i]
+            hi = min(stop, self.starts[i + 1])
             out.append((g, start - g_start, hi - g_start))
             start, i = hi, i + 1
         return out
 
     def row_perm(self, group: int) -> np.ndarray | None:
+        """The order of ``group``'s rows this epoch: sorting hashed row ids, so any group's
+        order is computed on its own, cheaply, from (seed, epoch, group) alone."""
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, self.epoch, group]).permutation(self.sizes[group])
+        ids = np.arange(self.sizes[group], dtype=np.uint64)
+        key = np.uint64(((self.seed * 1_000_003 + self.epoch) * 1_000_003 + group) % 2**64)
+        return np.argsort(_mix64(ids ^ _mix64(key)), kind="stable")
+
+
+def _mix64(x: Any) -> Any:
+    """splitmix64's finaliser: a fast, well-spread integer hash (wraps modulo 2**64)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 # ---------------------------------------------------------------- the source

@@ -181,12 +181,15 @@ class Trainer:
             "strategy": self.cfg.strategy.name,
             "world_size": self.ctx.world_size,
             "global_batch": self.global_batch,
+            # Reports after a restart carry the last evaluation, as Tune's schedulers expect.
+            "metrics": self.last_metrics,
         }
 
     def restore(self, directory: Path) -> None:
         saved = load_checkpoint(directory, self.engine, self.ctx.rank, self.cfg.strategy.name)
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
+        self.last_metrics = dict(saved.get("metrics", {}))
         self.ctx.log(
             f"resumed from {directory} at step {self.state.step} "
             f"(epoch {self.state.epoch}, row {self.state.epoch_rows} of its order)"

@@ -1,0 +1,118 @@
+"""`raylift tune` on the session's Ray: ASHA sweeps, MLflow parent/children, resume, retries."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raylift.config import load_config
+from raylift.tune import tune_run
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+SWEEP = REPO / "configs" / "sweep-digits.yaml"
+
+
+def sweep_runs(tmp: Path, parent_id: str) -> tuple[object, list]:  # type: ignore[type-arg]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raylift")
+    runs = client.search_runs([exp.experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id]
+    return client.get_run(parent_id), children
+
+
+def test_asha_sweep_of_eight_distributed_trials(ray_cluster: str, in_tmp: Path) -> None:
+    result = tune_run(load_config(SWEEP))
+    assert len(result.rows) == 8 and all(r.status == "TERMINATED" for r in result.rows)
+    stopped = [r for r in result.rows if r.stopped]
+    assert len(stopped) >= 4, result.rows
+    assert sum(r.epochs for r in result.rows) <= 0.6 * 8 * 8, result.rows
+    parent, children = sweep_runs(in_tmp, result.parent_run_id)
+    assert len(children) == 8
+    assert parent.data.tags["raylift.best_trial"] == result.best.trial_id  # type: ignore[union-attr]
+    best_child = next(
+        c for c in children if c.data.tags["raylift.trial_id"] == result.best.trial_id
+    )  # type: ignore[union-attr]
+    assert best_child.data.metrics["val_acc"] >= 0.97
+    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
+    best = load_config(result.best_config or "")  # what `raylift train` would load
+    assert best.scaling.num_workers == 2 and best.tune is None
+    assert best.optim.lr == pytest.approx(float(parent.data.tags["raylift.best.optim.lr"]))
+
+
+FLAKY_SWEEP = [
+    "name=flaky",
+    "task=tests.flaky:FlakyDigits",
+    "task_args={width: 16, dropout: 0.0, fail_at: 30}",
+    "train.max_epochs=2",
+    "train.early_stopping=null",
+    "checkpoint.every_n_steps=20",
+    "tune.num_samples=1",
+    "tune.scheduler=none",
+]
+
+
+def flaky_sweep(tmp: Path, *extra: str) -> Path:
+    """The shipped sweep with a task that fails once and a two-trial grid, as a YAML file."""
+    raw = yaml.safe_load(SWEEP.read_text())
+    raw["tune"]["space"] = {"optim.lr": {"grid": [0.001, 0.003]}}
+    path = tmp / "flaky.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path, [*FLAKY_SWEEP, *extra])  # validates the overrides
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def test_a_failed_trial_restarts_from_its_checkpoint_in_its_own_child_run(
+    ray_cluster: str, in_tmp: Path
+) -> None:
+    marker = in_tmp / "failed-once"
+    result = tune_run(load_config(flaky_sweep(in_tmp, f"task_args.marker={marker}")))
+    assert marker.exists()  # one trial really failed
+    assert [r.status for r in result.rows] == ["TERMINATED", "TERMINATED"]
+    assert all(r.epochs == 2 for r in result.rows)
+    _, children = sweep_runs(in_tmp, result.parent_run_id)
+    assert len(children) == 2  # the restarted trial continued its run: no duplicate
+    assert {c.info.status for c in children} == {"FINISHED"}
+
+
+def test_an_interrupted_sweep_resumes_when_rerun(ray_cluster: str, in_tmp: Path) -> None:
+    marker = in_tmp / "never"
+    marker.write_text("no injected failure in this test")
+    path = flaky_sweep(in_tmp, f"task_args.marker={marker}", "tune.max_concurrent=1")
+    cmd = [sys.executable, "-m", "raylift.cli", "tune", str(path), "name=resumable"]
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
+    first = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    deadline = time.monotonic() + 240
+    seen = []
+    for line in first.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if re.search(r"step\s+44\s+eval", line) or time.monotonic() > deadline:
+            break
+    first.send_signal(signal.SIGINT)
+    rest, _ = first.communicate(timeout=120)
+    assert first.returncode == 130, "".join(seen)[-2000:] + rest[-4000:]
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming" in second.stdout + second.stderr
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("raylift")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("raylift.sweep") == "parent"]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}

@@ -1,0 +1,97 @@
+"""The tune: section: parsing, validation, trial configs, the trial table (no Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raylift.config import ConfigError, load_config
+from raylift.tune import (
+    SweepResult,
+    TrialRow,
+    _stopped,
+    param_space,
+    parse_sweep,
+    render,
+    search_alg,
+    trial_config,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SWEEP = REPO / "configs" / "sweep-digits.yaml"
+
+
+def test_the_shipped_sweep_parses() -> None:
+    spec = parse_sweep(load_config(SWEEP))
+    assert spec.num_samples == 8 and spec.max_concurrent == 2
+    assert spec.scheduler.name == "asha" and spec.scaling == {"num_workers": 1}
+    space = param_space(spec)
+    assert set(space) == {"optim.lr", "optim.weight_decay", "task_args.width"}
+
+
+def test_every_problem_in_the_tune_section_is_reported_at_once() -> None:
+    cfg = load_config(
+        SWEEP,
+        [
+            "tune.space={optim.lrr: {uniform: [0.1, 0.2]}, optim.lr: {normal: [1, 2]},"
+            " train.grad_accum: {randint: [4, 1]}}",
+            "tune.scheduler=pbt",
+            "tune.mode=up",
+            "tune.bogus=1",
+        ],
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_sweep(cfg)
+    text = str(err.value)
+    assert "tune.bogus: unknown key" in text
+    assert "tune.space.optim.lrr: optim.lrr: unknown key (did you mean 'lr'?)" in text
+    assert "tune.space.optim.lr: one of ('loguniform'" in text
+    assert "tune.space.train.grad_accum: randint takes [low, high] with low < high" in text
+    assert "pbt is not offered" in text and "tune.mode" in text
+
+
+def test_grid_needs_random_search_and_a_missing_section_is_named() -> None:
+    cfg = load_config(SWEEP, ["tune.search=optuna", "tune.space={optim.lr: {grid: [0.1, 0.2]}}"])
+    with pytest.raises(ConfigError, match=r"grid needs tune\.search: random"):
+        parse_sweep(cfg)
+    with pytest.raises(ConfigError, match=r"tune\.space: empty"):
+        parse_sweep(load_config(REPO / "configs" / "quickstart.yaml"))
+
+
+def test_a_trial_config_applies_its_values_to_dotted_keys() -> None:
+    cfg = load_config(SWEEP)
+    trial = trial_config(cfg.to_dict(), {"optim.lr": 0.01, "task_args.width": 16}, "t-1")
+    assert trial.optim.lr == 0.01 and trial.task_args["width"] == 16
+    assert trial.name == "t-1" and trial.tune is None
+    assert trial.optim.weight_decay == cfg.optim.weight_decay  # the rest untouched
+
+
+def test_why_a_trial_ended_early() -> None:
+    cfg = load_config(SWEEP)  # max_epochs 8
+    assert _stopped(None, {"stopped_early": 1.0}, 5.0, cfg) == "early stopping"
+    assert _stopped(None, {"stopped_early": 0.0}, 2.0, cfg) == "scheduler"
+    assert _stopped(None, {"stopped_early": 0.0}, 8.0, cfg) == ""
+    assert _stopped(RuntimeError("x"), {}, 1.0, cfg) == ""
+
+
+def test_the_trial_table_lists_params_metric_epochs_and_why() -> None:
+    rows = [
+        TrialRow("b", "TERMINATED", {"optim.lr": 0.0123456}, 0.05, 8.0, ""),
+        TrialRow("a", "TERMINATED", {"optim.lr": 0.3}, 1.5, 1.0, "scheduler"),
+    ]
+    text = render(SweepResult("s", rows, rows[0], None, "p", 1.0), "val_loss")
+    lines = text.splitlines()
+    assert lines[0].split() == ["trial", "status", "optim.lr", "val_loss", "epochs", "stopped"]
+    assert lines[1].split() == ["a", "TERMINATED", "0.3", "1.5000", "1", "scheduler"]
+    assert lines[2].split() == ["b", "TERMINATED", "0.01235", "0.0500", "8", "-"]
+
+
+def test_searches_are_seeded_and_limit_concurrency() -> None:
+    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
+
+    random = search_alg(parse_sweep(load_config(SWEEP)), seed=0)
+    assert isinstance(random, BasicVariantGenerator)
+    pytest.importorskip("optuna")
+    optuna = search_alg(parse_sweep(load_config(SWEEP, ["tune.search=optuna"])), seed=0)
+    assert isinstance(optuna, ConcurrencyLimiter) and optuna.max_concurrent == 2

@@ -73,22 +73,12 @@ def flaky_sweep(tmp: Path, *extra: str) -> Path:
     return path
 
 
-def test_a_failed_trial_restarts_from_its_checkpoint_in_its_own_child_run(
+def test_a_failed_trial_restarts_and_an_interrupted_sweep_resumes(
     ray_cluster: str, in_tmp: Path
 ) -> None:
+    """The first trial fails once at step 30 and restarts from its step-20 checkpoint; the
+    sweep is then stopped with Ctrl-C and rerun: each trial keeps one child run."""
     marker = in_tmp / "failed-once"
-    result = tune_run(load_config(flaky_sweep(in_tmp, f"task_args.marker={marker}")))
-    assert marker.exists()  # one trial really failed
-    assert [r.status for r in result.rows] == ["TERMINATED", "TERMINATED"]
-    assert all(r.epochs == 2 for r in result.rows)
-    _, children = sweep_runs(in_tmp, result.parent_run_id)
-    assert len(children) == 2  # the restarted trial continued its run: no duplicate
-    assert {c.info.status for c in children} == {"FINISHED"}
-
-
-def test_an_interrupted_sweep_resumes_when_rerun(ray_cluster: str, in_tmp: Path) -> None:
-    marker = in_tmp / "never"
-    marker.write_text("no injected failure in this test")
     path = flaky_sweep(in_tmp, f"task_args.marker={marker}", "tune.max_concurrent=1")
     cmd = [sys.executable, "-m", "raylift.cli", "tune", str(path), "name=resumable"]
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
@@ -107,6 +97,7 @@ def test_an_interrupted_sweep_resumes_when_rerun(ray_cluster: str, in_tmp: Path)
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming" in second.stdout + second.stderr
+    assert marker.exists()  # the injected failure happened, and the trial came back
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")

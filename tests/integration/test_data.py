@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -109,7 +110,7 @@ def test_train_from_prepared_shards_cached_in_the_object_store(
         QUICKSTART,
         [
             "name=fromshards",
-            f"data.shards={digits_shards}",
+            f"data.shards={os.path.relpath(digits_shards)}",  # relative: workers run elsewhere
             "data.cache=true",
             "train.max_epochs=3",
         ],

@@ -141,7 +141,8 @@ def read_manifest(root: str) -> Manifest | None:
         data = json.loads(f.read().decode())
     if data.get("format") != FORMAT_VERSION:
         return None
-    return Manifest.from_json(root, data)
+    # Absolute, so Ray workers in other folders (or on other nodes, over NFS) find it.
+    return Manifest.from_json(root if "://" in root else base, data)
 
 
 def verify(manifest: Manifest, fp: str | None) -> None:

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from raylift.config import ConfigError, dump_config, load_config
+from raylift.config import ConfigError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -27,6 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     _config_args(verbs.add_parser("train", help="one training run on local Ray or RAY_ADDRESS"))
     _config_args(verbs.add_parser("tune", help="a Ray Tune sweep from the config's tune: section"))
+    sub = verbs.add_parser("submit", help="submit train or tune as a Ray Job, follow its logs")
+    sub.add_argument("config", help="path to a YAML config inside the current folder")
+    sub.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="[train|tune] key=value",
+        help="what the job runs (default train), then dotted overrides",
+    )
+    sub.add_argument("--address", required=True, help="the Ray dashboard, http://HOST:8265")
+    sub.add_argument("--no-wait", action="store_true", help="print the job id and return")
     _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
     prep = verbs.add_parser("prep", help="preprocess once with Ray Data into parquet shards")
     _config_args(prep)
@@ -109,9 +119,34 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_validate(args: argparse.Namespace) -> int:
+def cmd_submit(args: argparse.Namespace) -> int:
+    from raylift.submit import follow, submit
+
+    verb = "train"
+    if args.overrides and args.overrides[0] in ("train", "tune"):
+        verb, args.overrides = args.overrides[0], args.overrides[1:]
     cfg = load_config(args.config, args.overrides)
-    print(dump_config(cfg), end="")
+    if verb == "tune":
+        from raylift.tune import parse_sweep
+
+        parse_sweep(cfg)  # a bad tune: section fails here, not on the cluster
+    jobs, job_id = submit(cfg, args.config, verb, args.overrides, args.address)
+    print(f"raylift: submitted {job_id} to {args.address}")
+    if args.no_wait:
+        print(job_id)
+        return EXIT_OK
+    status = follow(jobs, job_id)
+    print(f"raylift: job {job_id} {status}")
+    return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from raylift.tracking import redact_tree
+
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), end="")
     return EXIT_OK
 
 
@@ -147,6 +182,7 @@ COMMANDS = {
     "validate": cmd_validate,
     "prep": cmd_prep,
     "tune": cmd_tune,
+    "submit": cmd_submit,
     "export": cmd_export,
     "plan": cmd_plan,
 }
@@ -156,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Overrides may follow options (`plan CONFIG --gpus 8 optim.lr=1e-3`): collect them too.
     args, extra = parser.parse_known_args(argv)
+    if args.verb == "submit" and extra and extra[0] in ("train", "tune"):
+        args.overrides, extra = [extra[0], *args.overrides], extra[1:]  # CONFIG --address URL tune
     stray = [t for t in extra if "=" not in t or t.startswith("-")]
     if stray or (extra and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")

@@ -35,6 +35,16 @@ def redact(params: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def redact_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``redact`` for a nested config, as printed on the console."""
+    return {
+        k: redact_tree(v)
+        if isinstance(v, Mapping)
+        else (REDACTED if SECRET.search(k) and v else v)
+        for k, v in tree.items()
+    }
+
+
 def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 

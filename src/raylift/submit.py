@@ -1,0 +1,110 @@
+"""``raylift submit``: a Ray Jobs submission of ``raylift train|tune`` with its runtime env.
+
+The job ships the current folder (the config and any user task code) as its
+``working_dir``, installs the extras the config needs, and carries the worker
+environment raylift always sets. The auth token is read from the environment by
+Ray's own client and travels only in request headers: raylift never writes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raylift.config import Config, ConfigError
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# Only what the cluster image may lack; raylift, torch and ray come with the image.
+EXTRAS = {"deepspeed": ["deepspeed>=0.19"], "fairscale": ["fairscale>=0.4.13"]}
+EXCLUDES = [".git", ".venv", "runs", "shards", "mlflow.db", "mlruns", "*.pt", "__pycache__"]
+
+
+def submission_id(cfg: Config, verb: str) -> str:
+    """Readable and unique: ``raylift-train-digits-ddp-20261122-041512-3f9a``."""
+    return f"raylift-{verb}-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+
+
+def entrypoint(config: str, verb: str, overrides: Sequence[str]) -> str:
+    return shlex.join(["raylift", verb, config, *overrides])
+
+
+def pip_packages(cfg: Config) -> list[str]:
+    packages = list(EXTRAS.get(cfg.strategy.name, []))
+    if (cfg.tune or {}).get("search") == "optuna":
+        packages.append("optuna>=3")
+    return packages
+
+
+def runtime_env(cfg: Config, working_dir: Path) -> dict[str, Any]:
+    from raylift.launch import WORKER_ENV
+
+    env: dict[str, Any] = {
+        "working_dir": str(working_dir),
+        "excludes": EXCLUDES,
+        "env_vars": dict(WORKER_ENV),
+    }
+    if packages := pip_packages(cfg):
+        env["pip"] = packages
+    return env
+
+
+def config_in_working_dir(config: str, working_dir: Path) -> str:
+    """The config's path inside the shipped folder; a config elsewhere would not arrive."""
+    path = Path(config).expanduser().resolve()
+    try:
+        return path.relative_to(working_dir).as_posix()
+    except ValueError:
+        raise ConfigError(
+            [
+                f"{config}: raylift submit ships the current folder ({working_dir}) to the "
+                "cluster; run it from a folder that contains the config"
+            ]
+        ) from None
+
+
+def client(address: str) -> Any:
+    from ray.job_submission import JobSubmissionClient
+
+    if os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_MODE"):
+        os.environ["RAY_AUTH_MODE"] = "token"  # this process only; the token stays in memory
+    return JobSubmissionClient(address)
+
+
+def submit(
+    cfg: Config,
+    config: str,
+    verb: str,
+    overrides: Sequence[str],
+    address: str,
+) -> tuple[Any, str]:
+    working_dir = Path.cwd().resolve()
+    rel = config_in_working_dir(config, working_dir)
+    jobs = client(address)
+    job_id = jobs.submit_job(
+        entrypoint=entrypoint(rel, verb, overrides),
+        submission_id=submission_id(cfg, verb),
+        runtime_env=runtime_env(cfg, working_dir),
+        metadata={"raylift.name": cfg.name, "raylift.verb": verb},
+    )
+    return jobs, str(job_id)
+
+
+def follow(jobs: Any, job_id: str, log: Any = print) -> str:
+    """Stream the job's logs until it ends; its final status."""
+
+    async def tail() -> None:
+        async for lines in jobs.tail_job_logs(job_id):
+            log(lines, end="")
+
+    asyncio.run(tail())
+    status = str(jobs.get_job_status(job_id))
+    while status.rsplit(".", 1)[-1] not in TERMINAL:  # logs can end a moment before the status
+        time.sleep(0.5)
+        status = str(jobs.get_job_status(job_id))
+    return status.rsplit(".", 1)[-1]

@@ -1,0 +1,65 @@
+"""raylift submit's pieces: the entrypoint, the runtime env, the checks before submitting."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from raylift.config import ConfigError, load_config
+from raylift.submit import config_in_working_dir, entrypoint, runtime_env, submission_id
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+def test_entrypoint_is_a_quoted_raylift_command() -> None:
+    cmd = entrypoint("configs/quickstart.yaml", "train", ["optim.lr=1e-3", "name=a b"])
+    assert shlex.split(cmd) == [
+        "raylift",
+        "train",
+        "configs/quickstart.yaml",
+        "optim.lr=1e-3",
+        "name=a b",
+    ]
+
+
+def test_runtime_env_ships_the_folder_and_the_extras_the_config_needs(tmp_path: Path) -> None:
+    env = runtime_env(load_config(QUICKSTART), tmp_path)
+    assert env["working_dir"] == str(tmp_path) and "pip" not in env
+    assert ".git" in env["excludes"] and "mlflow.db" in env["excludes"]
+    assert env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
+    ds = runtime_env(load_config(QUICKSTART, ["strategy.name=deepspeed"]), tmp_path)
+    assert ds["pip"] == ["deepspeed>=0.19"]
+
+
+def test_no_secret_travels_in_the_runtime_env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "s3cr3t-token-value")
+    env = runtime_env(load_config(QUICKSTART), tmp_path)
+    assert "s3cr3t-token-value" not in repr(env)
+
+
+def test_a_config_outside_the_shipped_folder_is_refused(tmp_path: Path) -> None:
+    assert config_in_working_dir(str(QUICKSTART), REPO) == "configs/quickstart.yaml"
+    with pytest.raises(ConfigError, match="ships the current folder"):
+        config_in_working_dir(str(QUICKSTART), tmp_path)
+
+
+def test_submission_ids_are_readable() -> None:
+    job = submission_id(load_config(QUICKSTART), "tune")
+    assert job.startswith("raylift-tune-digits-ddp-") and " " not in job
+
+
+def test_validate_prints_no_secret_values(capsys: pytest.CaptureFixture[str]) -> None:
+    from raylift.cli import main
+
+    args = [
+        "strategy.name=deepspeed",
+        "strategy.config={wandb_api_key: abc123, train_batch_size: 8}",
+    ]
+    assert main(["validate", str(QUICKSTART), *args]) == 0
+    out = capsys.readouterr().out
+    assert "abc123" not in out and "wandb_api_key: '***'" in out and "train_batch_size: 8" in out

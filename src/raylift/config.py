@@ -60,6 +60,7 @@ class ScalingConfig:
     num_workers: int | list[int] = 2
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
+    resize_interval_s: float = 60.0  # elastic runs: how often to look for room to grow
 
     @property
     def min_workers(self) -> int:
@@ -87,6 +88,8 @@ class ScalingConfig:
             out.append(f"scaling.num_workers: must be >= 1, got {n}")
         if self.cpus_per_worker <= 0:
             out.append("scaling.cpus_per_worker: must be > 0 (fractions such as 0.5 are fine)")
+        if self.resize_interval_s < 0:
+            out.append("scaling.resize_interval_s: must be >= 0 seconds")
         return out
 
 
@@ -258,6 +261,17 @@ class Config:
 
     def problems(self) -> list[str]:
         out: list[str] = []
+        sc = self.scaling
+        if sc.elastic and not sc.problems():
+            total = self.train.grad_accum * sc.max_workers
+            bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if total % w]
+            if bad:
+                out.append(
+                    f"scaling.num_workers: an elastic run keeps its global batch (data.batch_size"
+                    f" x train.grad_accum x max workers) by accumulating more on fewer workers; "
+                    f"{bad} worker(s) cannot divide train.grad_accum x max = {total}: use a "
+                    "range such as [1, 2], or raise train.grad_accum until every count divides it"
+                )
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
         if self.precision not in PRECISIONS:

@@ -149,6 +149,7 @@ def build_trainer(
             num_workers=workers,  # type: ignore[arg-type]
             use_gpu=sc.use_gpu,
             resources_per_worker=resources,
+            elastic_resize_monitor_interval_s=sc.resize_interval_s,  # type: ignore[call-arg]
         ),
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,

@@ -129,6 +129,31 @@ def early_stop_update(
     return state.bad_evals >= cfg.patience
 
 
+def elastic_accum(cfg: Config, world: int) -> int:
+    """Accumulation that keeps an elastic run's global batch at its size at max workers.
+
+    ``data.batch_size x train.grad_accum x max workers`` is the global batch; at ``world``
+    workers the run accumulates more micro-batches, so the learning dynamics do not
+    change with a resize. Fixed-size runs keep ``train.grad_accum`` as it is.
+    """
+    if not cfg.scaling.elastic:
+        return cfg.train.grad_accum
+    total = cfg.train.grad_accum * cfg.scaling.max_workers
+    if total % world:
+        raise ValueError(elastic_problem(cfg, world))
+    return total // world
+
+
+def elastic_problem(cfg: Config, world: int) -> str:
+    return (
+        f"scaling.num_workers: at {world} workers the global batch (data.batch_size x "
+        f"train.grad_accum x {cfg.scaling.max_workers} max workers) cannot stay the same: "
+        f"{world} does not divide train.grad_accum x max workers "
+        f"({cfg.train.grad_accum * cfg.scaling.max_workers}); pick a range whose worker "
+        "counts all divide it, e.g. [1, 2], or raise train.grad_accum"
+    )
+
+
 def apply_compile(model: torch.nn.Module, task: Task) -> None:
     """Compile each repeated block where the task names them (fast to build), else the model."""
     blocks = blocks_of(task, model)
@@ -140,6 +165,8 @@ class Trainer:
     """One worker's run. ``run()`` returns the last metrics it reported."""
 
     def __init__(self, cfg: Config, task: Task, ctx: WorkerContext):
+        accum = elastic_accum(cfg, ctx.world_size)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum))
         self.cfg, self.task, self.ctx = cfg, task, ctx
         self.precision = resolve_precision(cfg.precision)
         seed_everything(cfg.train.seed)  # identical initial weights on every rank
@@ -331,6 +358,8 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "samples_per_s": interval.samples / elapsed,
             "epoch": float(self.state.epoch),
+            "world_size": float(self.ctx.world_size),
+            "global_batch": float(self.global_batch),
         }
         if self.tokens_per_sample:
             metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample

@@ -38,9 +38,7 @@ def redact(params: Mapping[str, Any]) -> dict[str, Any]:
 def redact_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     """``redact`` for a nested config, as printed on the console."""
     return {
-        k: redact_tree(v)
-        if isinstance(v, Mapping)
-        else (REDACTED if SECRET.search(k) and v else v)
+        k: redact_tree(v) if isinstance(v, Mapping) else (REDACTED if SECRET.search(k) and v else v)
         for k, v in tree.items()
     }
 

@@ -1,0 +1,36 @@
+"""Elastic growth on a multi-node local cluster (``ray.cluster_utils.Cluster``), in a
+process of its own so it never meets the session's Ray."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_an_elastic_run_grows_when_a_node_arrives(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "elastic_run.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
+    worlds = [int(line.split()[1]) for line in out.splitlines() if line.startswith("world_size")]
+    batches = {int(line.split()[1]) for line in out.splitlines() if line.startswith("global_batch")}
+    assert worlds[0] == 1 and worlds[-1] == 2, worlds  # started small, grew with the node
+    assert worlds == sorted(worlds)
+    assert batches == {64}  # 32 x 2 accumulated on 1 worker, 32 x 1 on each of 2
+    final = next(line for line in out.splitlines() if line.startswith("final step"))
+    assert int(final.split()[2]) == 12 * (1438 // 64)  # every planned step, at either size
+    assert float(final.split()[-1]) > 0.9

@@ -130,7 +130,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         from raylift.tune import parse_sweep
 
         parse_sweep(cfg)  # a bad tune: section fails here, not on the cluster
-    jobs, job_id = submit(cfg, args.config, verb, args.overrides, args.address)
+    try:
+        jobs, job_id = submit(cfg, args.config, verb, args.overrides, args.address)
+    except (RuntimeError, ConnectionError) as exc:
+        print(f"raylift: submitting to {args.address} failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     print(f"raylift: submitted {job_id} to {args.address}")
     if args.no_wait:
         print(job_id)

@@ -94,11 +94,17 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         sys.path.insert(0, cwd)
     if os.environ.get("RAY_ADDRESS"):
         # Ray ships local modules only at the job level; every task and actor inherits them.
-        ray.init(
-            runtime_env={**user_code_env(cfg.task), "env_vars": env},
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
+        code = user_code_env(cfg.task)
+        try:
+            ray.init(
+                runtime_env={**code, "env_vars": env},
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+            )
+        except ValueError:
+            # Inside a Ray job whose runtime env already sets these (raylift submit does),
+            # Ray refuses to merge the same keys twice: the job's own env applies.
+            ray.init(runtime_env=code or None, logging_level=logging.WARNING, log_to_driver=True)
         return
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
     os.environ.update(env)  # the local raylet, and so every worker, inherits these

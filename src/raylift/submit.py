@@ -20,6 +20,7 @@ from typing import Any
 from raylift.config import Config, ConfigError
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+AGENT_WAIT_S = 60.0
 # Only what the cluster image may lack; raylift, torch and ray come with the image.
 EXTRAS = {"deepspeed": ["deepspeed>=0.19"], "fairscale": ["fairscale>=0.4.13"]}
 EXCLUDES = [".git", ".venv", "runs", "shards", "mlflow.db", "mlruns", "*.pt", "__pycache__"]
@@ -86,13 +87,21 @@ def submit(
     working_dir = Path.cwd().resolve()
     rel = config_in_working_dir(config, working_dir)
     jobs = client(address)
-    job_id = jobs.submit_job(
-        entrypoint=entrypoint(rel, verb, overrides),
-        submission_id=submission_id(cfg, verb),
-        runtime_env=runtime_env(cfg, working_dir),
-        metadata={"raylift.name": cfg.name, "raylift.verb": verb},
-    )
-    return jobs, str(job_id)
+    request = {
+        "entrypoint": entrypoint(rel, verb, overrides),
+        "submission_id": submission_id(cfg, verb),
+        "runtime_env": runtime_env(cfg, working_dir),
+        "metadata": {"raylift.name": cfg.name, "raylift.verb": verb},
+    }
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return jobs, str(jobs.submit_job(**request))
+        except RuntimeError as exc:
+            # A head that has just started answers before its job agent is up.
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(2)
 
 
 def follow(jobs: Any, job_id: str, log: Any = print) -> str:

@@ -43,7 +43,7 @@ def main(work: Path) -> None:
             "scaling.num_workers=[1,2]",
             "scaling.resize_interval_s=2",
             "train.max_failures=4",
-            "train.max_epochs=20",
+            "train.max_epochs=60",
             "train.early_stopping=null",
             "checkpoint.every_n_steps=20",
             f"storage={work / 'runs'}",

@@ -32,5 +32,5 @@ def test_an_elastic_run_grows_when_a_node_arrives(tmp_path: Path) -> None:
     assert worlds == sorted(worlds)
     assert batches == {64}  # 32 x 2 accumulated on 1 worker, 32 x 1 on each of 2
     final = next(line for line in out.splitlines() if line.startswith("final step"))
-    assert int(final.split()[2]) == 20 * (1438 // 64)  # every planned step, at either size
+    assert int(final.split()[2]) == 60 * (1438 // 64)  # every planned step, at either size
     assert float(final.split()[-1]) > 0.9

@@ -29,6 +29,7 @@ def test_overrides_are_dotted_and_typed() -> None:
         [
             "optim.lr=1e-3",
             "scaling.num_workers=[1, 3]",
+            "train.grad_accum=2",
             "train.early_stopping=null",
             "precision=32",
         ],
@@ -37,6 +38,12 @@ def test_overrides_are_dotted_and_typed() -> None:
     assert cfg.scaling.elastic and (cfg.scaling.min_workers, cfg.scaling.max_workers) == (1, 3)
     assert cfg.train.early_stopping is None
     assert cfg.precision == "32"
+
+
+def test_an_elastic_range_must_keep_the_global_batch() -> None:
+    # 1 x 3 accumulation steps fit on one worker and three, but not on two.
+    (found,) = problems("scaling.num_workers=[1, 3]", "train.grad_accum=1")
+    assert found.startswith("scaling.num_workers:") and "[2]" in found and "[1, 2]" in found
 
 
 def test_every_problem_is_reported_at_once() -> None:

@@ -1,9 +1,12 @@
-"""An elastic run on a multi-node local cluster whose nodes arrive during the run.
+"""An elastic run on a multi-node local cluster that loses a node and gets one back.
 
     python tests/elastic_run.py WORKDIR
 
-The head holds one worker; one more single-CPU node joins once the first checkpoint
-exists. Prints the world sizes the run logged, one per line, as ``world_size N``.
+The head and one more node hold one worker each, so the run starts on 2. Once the
+first checkpoint exists the second node is removed (its worker dies with it): the
+run restarts on 1 worker from that checkpoint. Once that smaller run has written a
+checkpoint of its own, a node joins again and the run grows back to 2. Prints the
+world sizes and global batches the run logged, one per line, and its final step.
 """
 
 from __future__ import annotations
@@ -18,15 +21,42 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def add_nodes_after_first_checkpoint(cluster: object, runs: Path, n: int) -> None:
-    deadline = time.monotonic() + 300
-    while not list(runs.glob("elastic/checkpoint-step*")) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for _ in range(n):
-        cluster.add_node(num_cpus=1)  # type: ignore[attr-defined]
+def checkpoints(runs: Path) -> list[int]:
+    return sorted(int(p.name[15:]) for p in runs.glob("elastic/checkpoint-step*"))
+
+
+def wait_for(what: str, done: Any, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.25)
+
+
+def lose_a_node_then_add_one(cluster: Any, node: Any, runs: Path, run: threading.Thread) -> None:
+    wait_for("the first checkpoint", lambda: checkpoints(runs) or not run.is_alive())
+    at_loss = max(checkpoints(runs), default=0)
+    cluster.remove_node(node)
+    print(f"removed a node after checkpoint step {at_loss}", flush=True)
+    wait_for("a checkpoint of the smaller run", lambda: 1 in worlds(runs) or not run.is_alive())
+    cluster.add_node(num_cpus=1)
+    print("added a node", flush=True)
+
+
+def worlds(runs: Path) -> set[int]:
+    """World sizes that wrote the run's complete checkpoints."""
+    import torch
+
+    found = set()
+    for done in runs.glob("elastic/checkpoint-step*/complete-rank0.json"):
+        state = torch.load(done.parent / "loop_state.pt", weights_only=True)
+        found.add(int(state["world_size"]))
+    return found
 
 
 def main(work: Path) -> None:
+    # Restart smaller soon after a loss instead of waiting a minute for the lost worker.
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "10"
     from ray.cluster_utils import Cluster
 
     from raylift.config import load_config
@@ -35,7 +65,9 @@ def main(work: Path) -> None:
     os.chdir(work)
     os.environ.update(WORKER_ENV)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    extra = cluster.add_node(num_cpus=1)
     os.environ["RAY_ADDRESS"] = cluster.address
+    runs = work / "runs"
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
         [
@@ -43,26 +75,32 @@ def main(work: Path) -> None:
             "scaling.num_workers=[1,2]",
             "scaling.resize_interval_s=2",
             "train.max_failures=4",
-            "train.max_epochs=60",
+            "train.max_epochs=100",
             "train.early_stopping=null",
             "checkpoint.every_n_steps=20",
-            f"storage={work / 'runs'}",
+            "train.log_every_n_steps=10",
+            f"storage={runs}",
         ],
     )
     import ray
 
-    ray.init(address=cluster.address, runtime_env={"env_vars": dict(WORKER_ENV)})
-    # Ray adds nodes only from the main thread: the run goes to a thread of its own.
+    env = {**WORKER_ENV, "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "10"}
+    ray.init(address=cluster.address, runtime_env={"env_vars": env})
+    wait_for("both nodes", lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, 60)
+    # Ray adds and removes nodes only from the main thread: the run goes to a thread.
     outcome: dict[str, object] = {}
     run = threading.Thread(target=lambda: outcome.update(result=train(cfg)), daemon=True)
     run.start()
-    add_nodes_after_first_checkpoint(cluster, work / "runs", 1)
+    lose_a_node_then_add_one(cluster, extra, runs, run)
     run.join()
     ray.shutdown()
     cluster.shutdown()
     if "result" not in outcome:
         raise SystemExit("the elastic run failed; its error is above")
-    result: Any = outcome["result"]
+    report(outcome["result"])
+
+
+def report(result: Any) -> None:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=result.tracking_uri)
@@ -70,6 +108,9 @@ def main(work: Path) -> None:
         print(f"world_size {int(m.value)} step {m.step}")
     for m in client.get_metric_history(result.run_id, "global_batch"):
         print(f"global_batch {int(m.value)} step {m.step}")
+    tags = client.get_run(result.run_id).data.tags
+    for key in sorted(k for k in tags if k.startswith("raylift.restart.")):
+        print(f"restart {key}: {tags[key]}")
     print(f"final step {int(result.metrics['step'])} val_acc {result.metrics['val_acc']:.4f}")
 
 

@@ -1,14 +1,18 @@
-"""A task that fails once, mid-run, for fault-injection tests (imported by Ray workers)."""
+"""Tasks that fail on purpose, for fault-injection tests (imported by Ray workers)."""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from raylift.tasks.base import Batch
 from raylift.tasks.digits import DigitsTask
+from raylift.tasks.gpt import GPTTask
 
 
 class FlakyDigits(DigitsTask):
@@ -23,4 +27,33 @@ class FlakyDigits(DigitsTask):
         if self.calls == self.fail_at and not self.marker.exists():
             self.marker.write_text("failed once")
             raise RuntimeError(f"injected failure at loss call {self.calls}")
+        return super().loss(model, batch)
+
+
+class NanDigits(DigitsTask):
+    """Digits whose ``nan_at``-th training loss is NaN, as a bad batch or an overflow makes it."""
+
+    def __init__(self, nan_at: int = 13, **kwargs: object):
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.nan_at, self.calls = nan_at, 0
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.calls += 1
+        loss = super().loss(model, batch)
+        return loss * float("nan") if self.calls == self.nan_at else loss
+
+
+class KilledGPT(GPTTask):
+    """The gpt task, except that rank 1's worker process is SIGKILLed at its ``kill_at``-th
+    training loss, unless ``marker`` exists; the killing writes it, so a restart lives."""
+
+    def __init__(self, marker: str, kill_at: int = 6, **kwargs: object):
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.marker, self.kill_at, self.calls = Path(marker), kill_at, 0
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.kill_at and dist.get_rank() == 1 and not self.marker.exists():
+            self.marker.write_text(f"killed pid {os.getpid()}")
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: as the OOM killer does
         return super().loss(model, batch)

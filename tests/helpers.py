@@ -33,27 +33,63 @@ def tensors(task: Any) -> dict[str, dict[str, torch.Tensor]]:
 class LocalReporter:
     """Checkpoints copied into ``root/name`` (ranks merge, as Ray does); metrics kept."""
 
-    def __init__(self, root: Path, crash_after_step: int | None = None):
-        self.root, self.crash_after_step = root, crash_after_step
+    def __init__(
+        self,
+        root: Path,
+        crash_after_step: int | None = None,
+        preempt_at_call: int | None = None,
+        cut_write: bool = False,
+    ):
+        self.root, self.crash_after_step, self.cut_write = root, crash_after_step, cut_write
         self.metrics: list[dict[str, float]] = []
         self.checkpoints: list[Path] = []
+        self.preempt_at_call, self.preempt_calls = preempt_at_call, 0
+
+    def preempting(self) -> bool:
+        """A preemption notice from the ``preempt_at_call``-th question on."""
+        self.preempt_calls += 1
+        return self.preempt_at_call is not None and self.preempt_calls >= self.preempt_at_call
 
     def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
         self.metrics.append(metrics)
         if checkpoint is not None and name is not None:
             dest = self.root / name
+            crash = self.crash_after_step is not None and metrics["step"] >= self.crash_after_step
+            if crash and self.cut_write:
+                copy_cut_off(checkpoint, dest)
+                raise KeyboardInterrupt("simulated crash while writing a checkpoint")
             shutil.copytree(checkpoint, dest, dirs_exist_ok=True)
             self.checkpoints.append(dest)
-            if self.crash_after_step is not None and metrics["step"] >= self.crash_after_step:
+            if crash:
                 raise KeyboardInterrupt("simulated crash after checkpoint")
+
+
+def copy_cut_off(src: Path, dest: Path) -> None:
+    """Copy a checkpoint as a write cut off half-way leaves it: the largest file truncated,
+    the files after it (in write order, the rank's completion mark last) never written."""
+    files = sorted(
+        (p for p in src.rglob("*") if p.is_file()), key=lambda p: p.name.startswith("complete-")
+    )
+    biggest = max(files, key=lambda p: p.stat().st_size)
+    for path in files:
+        target = dest / path.relative_to(src)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path == biggest:
+            target.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+            return
+        shutil.copy2(path, target)
 
 
 class ListTracker:
     def __init__(self) -> None:
         self.rows: list[tuple[int, dict[str, float]]] = []
+        self.tags: dict[str, str] = {}
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.rows.append((step, dict(metrics)))
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.tags.update(tags)
 
     def series(self, key: str) -> dict[int, float]:
         return {step: m[key] for step, m in self.rows if key in m}

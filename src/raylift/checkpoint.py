@@ -5,11 +5,19 @@ A checkpoint folder holds the engine's sharded model and optimizer state
 step, epoch, data position, LR schedule, early stopping, scaler; written by
 rank 0) and each rank's RNG state. Everything is read back with
 ``torch.load(weights_only=True)``: no pickled code is ever executed.
+
+Each rank ends its part with ``complete-rank<r>.json``, the size of every file it
+wrote. A checkpoint is complete when every rank's list is there and every file has
+its listed size: a write that was cut off (a killed worker, a full disk) is caught
+before anything is loaded, and the resume falls back to the previous complete one.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +56,10 @@ def _as_tuple(obj: Any) -> Any:
     return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
+def _done_file(rank: int) -> str:
+    return f"complete-rank{rank}.json"
+
+
 def save_checkpoint(directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int) -> None:
     """Collective: every rank calls this with its own (possibly local) ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -55,8 +67,94 @@ def save_checkpoint(directory: Path, engine: Engine, loop_state: dict[str, Any],
     torch.save(rng_state(), directory / _rng_file(rank))
     if rank == 0:
         state = {"format": FORMAT, **loop_state, "engine_extra": engine.extra_state()}
-        # Written last: a folder without it is an incomplete checkpoint.
         torch.save(state, directory / LOOP_FILE)
+    # Last: this rank's part counts only once every file it wrote is whole.
+    sizes = {
+        str(p.relative_to(directory)): p.stat().st_size
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not p.name.startswith("complete-rank")
+    }
+    (directory / _done_file(rank)).write_text(json.dumps(sizes, indent=0))
+
+
+def verify_checkpoint(directory: Path) -> None:
+    """Raise :class:`CheckpointError` unless every rank finished writing ``directory``.
+
+    Pure file checks, the same on every rank, so all ranks reach the same verdict
+    without talking to each other.
+    """
+    state = read_loop_state(directory)
+    world = int(state.get("world_size", 1))
+    for rank in range(world):
+        done = directory / _done_file(rank)
+        if not done.is_file():
+            raise CheckpointError(
+                f"checkpoint {directory} is incomplete: rank {rank} of {world} never "
+                f"finished writing it ({done.name} is missing)"
+            )
+        for name, size in json.loads(done.read_text()).items():
+            path = directory / name
+            have = path.stat().st_size if path.is_file() else None
+            if have != size:
+                raise CheckpointError(
+                    f"checkpoint {directory} is incomplete: {name} has "
+                    f"{'no file' if have is None else f'{have} bytes'}, rank {rank} wrote {size}"
+                )
+
+
+def checkpoint_step(path: Path) -> int:
+    match = re.fullmatch(r"checkpoint-step(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def resume_point(latest: Path, log: Callable[[str], None] = print) -> Path:
+    """``latest`` if it is complete, else the newest complete checkpoint before it.
+
+    Ray hands the worker its latest registered checkpoint; one whose write was cut
+    off, or that was damaged since, is reported and skipped rather than loaded.
+    """
+    try:
+        verify_checkpoint(latest)
+        return latest
+    except CheckpointError as exc:
+        log(f"raylift: {exc}; looking for the previous complete checkpoint")
+    older = sorted(
+        (p for p in latest.parent.glob("checkpoint-step*") if p.is_dir()),
+        key=checkpoint_step,
+        reverse=True,
+    )
+    for candidate in older:
+        if checkpoint_step(candidate) >= checkpoint_step(latest):
+            continue
+        try:
+            verify_checkpoint(candidate)
+        except CheckpointError as exc:
+            log(f"raylift: {exc}; skipping it")
+            continue
+        log(f"raylift: resuming from {candidate}, the newest complete checkpoint")
+        return candidate
+    raise CheckpointError(
+        f"no complete checkpoint to resume from beside {latest}; delete {latest.parent} to "
+        "start over, or start a new run under another name"
+    )
+
+
+def newest_complete(run_dir: Path, log: Callable[[str], None] = print) -> Path | None:
+    """The newest complete checkpoint in a local run folder, or None if it has none.
+
+    Ray registers a checkpoint only after its controller polls the report; a worker
+    killed in between leaves a complete checkpoint that Ray does not hand back.
+    """
+    found = sorted(
+        (p for p in run_dir.glob("checkpoint-step*") if (p / LOOP_FILE).is_file()),
+        key=checkpoint_step,
+    )
+    if not found:
+        return None
+    try:
+        return resume_point(found[-1], log)
+    except CheckpointError:
+        return None
 
 
 def read_loop_state(directory: Path) -> dict[str, Any]:

@@ -205,9 +205,15 @@ class TrainConfig:
     log_every_n_steps: int = 10
     compile: bool = False
     max_failures: int = 0
+    on_nan: str = "stop"  # a non-finite loss or gradient: stop the run, or skip that step
 
     def problems(self) -> list[str]:
         out = _positive(self, "max_epochs", "train") + _positive(self, "grad_accum", "train")
+        if self.on_nan not in ("stop", "skip"):
+            out.append(
+                f"train.on_nan: {self.on_nan!r} is not a choice; 'stop' ends the run at the first "
+                "non-finite loss, keeping the last good checkpoint; 'skip' skips that step"
+            )
         out += _positive(self, "log_every_n_steps", "train")
         for key in ("max_steps", "eval_every_n_steps"):
             if getattr(self, key) is not None:
@@ -272,6 +278,15 @@ class Config:
                     f"{bad} worker(s) cannot divide train.grad_accum x max = {total}: use a "
                     "range such as [1, 2], or raise train.grad_accum until every count divides it"
                 )
+        if (
+            self.train.on_nan == "skip"
+            and self.strategy.name == "deepspeed"
+            and self.precision != "16-mixed"
+        ):
+            out.append(
+                "train.on_nan: 'skip' with deepspeed relies on DeepSpeed's fp16 loss scaler, which "
+                "skips non-finite steps; set precision: 16-mixed, or train.on_nan: stop"
+            )
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
         if self.precision not in PRECISIONS:

@@ -229,11 +229,23 @@ def train(
     ckpt = result.checkpoint.path if result.checkpoint else None
     if ckpt:
         tags["raylift.final_checkpoint"] = ckpt
-    tracking.end_run(uri, run_id, status, tags)
     metrics = {
         k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
     }
+    if "nonfinite_step" in metrics:
+        tracking.end_run(uri, run_id, "FAILED", tags)
+        raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
+    tracking.end_run(uri, run_id, status, tags)
     return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
+
+
+def _nonfinite_message(cfg: Config, metrics: dict[str, float], ckpt: str | None) -> str:
+    return (
+        f"training run {cfg.name!r} stopped: the loss became inf/NaN at step "
+        f"{int(metrics['nonfinite_step'])} (train.on_nan: stop); the last good checkpoint is "
+        f"{ckpt or 'none'}. Lower optim.lr, set train.grad_clip, use precision bf16-mixed "
+        "instead of 16-mixed, or set train.on_nan=skip to step over bad batches"
+    )
 
 
 def _failure_message(exc: BaseException, cfg: Config) -> str:
@@ -257,6 +269,7 @@ def worker_main(payload: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    from raylift.checkpoint import newest_complete, resume_point
     from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
     from raylift.data.shards import read_manifest
     from raylift.loop import NullTracker, Trainer, WorkerContext
@@ -307,7 +320,13 @@ def worker_main(payload: dict[str, Any]) -> None:
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            trainer.restore(Path(directory))
+            trainer.restore(resume_point(Path(directory), ctx.log))
+    elif "://" not in cfg.storage:
+        # A worker killed right after a checkpoint's report, before Ray's controller
+        # registered it, leaves that checkpoint on disk only: resume from it all the same.
+        found = newest_complete(Path(resolve_storage(cfg.storage)) / cfg.name, ctx.log)
+        if found is not None:
+            trainer.restore(found)
     trainer.run()
 
 
@@ -331,6 +350,11 @@ class RayReporter:
 
         ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
         ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
+
+    def preempting(self) -> bool:
+        import ray.train
+
+        return ray.train.get_preemption_info() is not None
 
 
 def _print0(rank: int) -> Any:

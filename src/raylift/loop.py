@@ -34,14 +34,33 @@ class Reporter(Protocol):
         """Called by every rank at the same points (Ray's report is a barrier)."""
         ...
 
+    def preempting(self) -> bool:
+        """True once a node of this run has been told it will be taken away.
+
+        Called by every rank at the same points (on Ray it is a barrier)."""
+        ...
+
 
 class Tracker(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    def set_tags(self, tags: dict[str, str]) -> None: ...
 
 
 class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss or gradients went inf/NaN and ``train.on_nan`` is ``stop``."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
 
 
 @dataclasses.dataclass
@@ -66,13 +85,16 @@ class LoopState:
     bad_evals: int = 0
     stopped_early: bool = False
     last_ckpt_step: int = -1
+    restarts: int = 0  # resumes from a checkpoint: failures, resizes, reruns
+    nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
 
 
 @dataclasses.dataclass
 class Interval:
     """Device-side running sums for one logging interval."""
 
-    loss_sum: torch.Tensor
+    loss_sum: torch.Tensor  # finite losses only: a skipped step does not poison the mean
+    finite: torch.Tensor  # micro-batches whose loss was finite
     micro_batches: int = 0
     samples: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
@@ -84,7 +106,8 @@ class Interval:
 
     @classmethod
     def fresh(cls, device: torch.device) -> Interval:
-        return cls(torch.zeros((), device=device, dtype=torch.float32))
+        zero = torch.zeros((), device=device, dtype=torch.float32)
+        return cls(zero, zero.clone())
 
 
 def seed_everything(seed: int) -> None:
@@ -175,6 +198,11 @@ class Trainer:
             apply_compile(model, task)
         blocks = blocks_of(task, model)
         self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device, blocks)
+        self.engine.skip_nonfinite = cfg.train.on_nan == "skip"
+        # The first step whose loss was not finite, kept on the device: checking it costs a
+        # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
+        self.bad_step = torch.full((), -1.0, device=ctx.device)
+        self.preempt_saved = False
         seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
         self.accum = cfg.train.grad_accum
         self.micro_per_epoch = ctx.source.micro_batches_per_epoch()
@@ -217,9 +245,20 @@ class Trainer:
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
+        self.state.restarts += 1
+        before, now = saved.get("world_size", self.ctx.world_size), self.ctx.world_size
+        self.ctx.tracker.log_metrics({"restarts": float(self.state.restarts)}, self.state.step)
+        self.ctx.tracker.set_tags(
+            {
+                f"raylift.restart.{self.state.restarts}": (
+                    f"step {self.state.step} from {directory.name}: {before} -> {now} workers"
+                )
+            }
+        )
         self.ctx.log(
             f"resumed from {directory} at step {self.state.step} "
-            f"(epoch {self.state.epoch}, row {self.state.epoch_rows} of its order)"
+            f"(epoch {self.state.epoch}, row {self.state.epoch_rows} of its order; "
+            f"{before} -> {now} workers, restart {self.state.restarts})"
         )
         if self._finished():
             self.ctx.log(
@@ -232,6 +271,35 @@ class Trainer:
     # ------------------------------------------------------------ run
 
     def run(self) -> dict[str, float]:
+        try:
+            return self._run()
+        except NonFiniteLoss as bad:
+            return self._stop_on_nonfinite(bad.step)
+
+    def _stop_on_nonfinite(self, step: int) -> dict[str, float]:
+        """End the run without saving the broken weights: the last checkpoint stays the good one."""
+        self.state.nonfinite_step = step
+        kept = self.state.last_ckpt_step
+        self.ctx.log(
+            f"loss is not finite at step {step}: stopping (train.on_nan: stop); the last good "
+            f"checkpoint is step {kept}" + ("" if kept >= 0 else " (none was written)")
+        )
+        metrics = {**self.last_metrics, "nonfinite_step": float(step)}
+        self.last_metrics = metrics
+        self.ctx.tracker.log_metrics({"nonfinite_step": float(step)}, self.state.step)
+        self.ctx.reporter.report(metrics, None, None)
+        return metrics
+
+    def _check_finite(self) -> None:
+        """Raise :class:`NonFiniteLoss` if any rank saw an inf/NaN loss (a host sync)."""
+        worst = all_reduce_max(float(self.bad_step), self.ctx.device)
+        if worst < 0:
+            return
+        if self.cfg.train.on_nan == "stop":
+            raise NonFiniteLoss(int(worst))
+        self.bad_step.fill_(-1.0)  # skip: the engine left the weights alone and counted it
+
+    def _run(self) -> dict[str, float]:
         train_cfg = self.cfg.train
         self.engine.model.train()
         if self.state.step == 0:
@@ -300,7 +368,13 @@ class Trainer:
             with self.engine.autocast():
                 loss = self.task.loss(self.engine.model, batch)
             self.engine.backward(loss / self.accum)
-        self.interval.loss_sum += loss.detach().float()
+        value = loss.detach().float()
+        finite = torch.isfinite(value)
+        self.interval.loss_sum += torch.where(finite, value, 0.0)
+        self.interval.finite += finite
+        # A Python scalar, not a new tensor: no host-to-device copy per micro-step.
+        first = float(self.state.step + 1)
+        self.bad_step = torch.where(finite | (self.bad_step >= 0), self.bad_step, first)
         self.interval.micro_batches += 1
         self.state.batch_in_epoch += 1
         self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
@@ -317,10 +391,20 @@ class Trainer:
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
             self._log_interval(self.interval)
             self.interval = Interval.fresh(self.ctx.device)
+            self._checkpoint_if_preempted()
         if train_cfg.eval_every_n_steps and step % train_cfg.eval_every_n_steps == 0:
             self._evaluate_and_report()
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
+            self.checkpoint(self.last_metrics)
+
+    def _checkpoint_if_preempted(self) -> None:
+        """A node is about to go (a spot reclaim): save now rather than lose the interval."""
+        if self.preempt_saved or not self.ctx.reporter.preempting():
+            return
+        self.preempt_saved = True
+        if self.state.step != self.state.last_ckpt_step:
+            self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
             self.checkpoint(self.last_metrics)
 
     # ------------------------------------------------------------ metrics
@@ -344,18 +428,17 @@ class Trainer:
     def _log_interval(self, interval: Interval) -> None:
         if interval.micro_batches == 0:
             return
+        self._check_finite()
         # The one host sync of the interval: mean loss over ranks and micro-batches.
-        packed = torch.stack(
-            [interval.loss_sum, torch.tensor(float(interval.micro_batches), device=self.ctx.device)]
-        )
+        packed = torch.stack([interval.loss_sum, interval.finite])
         loss_sum, count = all_reduce_sum(packed).tolist()
         elapsed = interval.elapsed()
-        metrics = {
-            "train_loss": loss_sum / count,
+        metrics: dict[str, float] = {
+            "train_loss": loss_sum / count if count else math.nan,
             "data_wait_frac": all_reduce_max(
                 min(interval.data_wait / elapsed, 1.0), self.ctx.device
             ),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": float(self.scheduler.get_last_lr()[0]),
             "samples_per_s": interval.samples / elapsed,
             "epoch": float(self.state.epoch),
             "world_size": float(self.ctx.world_size),
@@ -363,6 +446,8 @@ class Trainer:
         }
         if self.tokens_per_sample:
             metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
+        if self.cfg.train.on_nan == "skip":
+            metrics["skipped_steps"] = float(self.engine.skipped_steps)
         self.ctx.tracker.log_metrics(metrics, self.state.step)
         self._print_line(metrics, elapsed / max(interval.samples / self.global_batch, 1))
 
@@ -403,6 +488,7 @@ class Trainer:
 
     def _evaluate_and_report(self) -> None:
         started = time.perf_counter()
+        self._check_finite()
         metrics = self.evaluate()
         es = self.cfg.train.early_stopping
         if es is not None and early_stop_update(self.state, metrics, es):
@@ -423,6 +509,7 @@ class Trainer:
 
     def checkpoint(self, metrics: dict[str, float]) -> None:
         started = time.perf_counter()
+        self._check_finite()  # never overwrite the last good checkpoint with broken weights
         self.state.last_ckpt_step = self.state.step
         with tempfile.TemporaryDirectory(prefix="raylift-ckpt-") as tmp:
             save_checkpoint(Path(tmp), self.engine, self.loop_state(), self.ctx.rank)

@@ -136,3 +136,8 @@ class MlflowTracker:
         self.client.log_batch(
             self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
         )
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

@@ -8,6 +8,7 @@ sharded state. The loop never branches on the strategy.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +25,12 @@ class Engine(Protocol):
     optimizer: torch.optim.Optimizer
     precision: Precision
     inference_mode_ok: bool  # False: evaluate under no_grad instead of inference_mode
+    skip_nonfinite: bool  # train.on_nan: skip -- step() leaves the weights alone on inf/NaN grads
+
+    @property
+    def skipped_steps(self) -> int:
+        """Updates skipped for non-finite gradients so far."""
+        ...
 
     @property
     def eval_model(self) -> nn.Module: ...
@@ -37,7 +44,10 @@ class Engine(Protocol):
     def backward(self, loss: torch.Tensor) -> None: ...
 
     def step(self) -> torch.Tensor | None:
-        """Clip, step, zero grads; returns the pre-clip gradient norm when clipping."""
+        """Clip, step, zero grads; returns the pre-clip gradient norm when clipping.
+
+        With ``skip_nonfinite`` a step whose gradient norm is inf/NaN zeroes the
+        gradients instead of updating, and counts in ``skipped_steps``."""
         ...
 
     def save(self, directory: Path) -> None:
@@ -132,6 +142,8 @@ class TorchEngine:
         self._clip = clip or (
             lambda max_norm: nn.utils.clip_grad_norm_(module.parameters(), max_norm)
         )
+        self.skip_nonfinite = False
+        self.skipped_steps = 0
 
     @property
     def eval_model(self) -> nn.Module:
@@ -152,10 +164,17 @@ class TorchEngine:
 
     def step(self) -> torch.Tensor | None:
         norm = None
-        if self.grad_clip is not None:
+        if self.grad_clip is not None or self.skip_nonfinite:
             if self.scaler:
                 self.scaler.unscale_(self.optimizer)
-            norm = self._clip(self.grad_clip)
+            # max_norm inf measures the global norm (across shards) without clipping.
+            norm = self._clip(self.grad_clip if self.grad_clip is not None else math.inf)
+        # GradScaler skips non-finite steps by itself; otherwise checking costs the one
+        # host sync per step that train.on_nan: skip asks for.
+        if self.skip_nonfinite and not self.scaler and norm is not None and not norm.isfinite():
+            self.skipped_steps += 1
+            self.optimizer.zero_grad(set_to_none=self._grads_to_none)
+            return norm
         if self.scaler:
             # Skips the update (and lowers the scale) when a gradient is inf/NaN.
             self.scaler.step(self.optimizer)

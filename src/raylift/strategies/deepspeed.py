@@ -215,6 +215,13 @@ class DeepSpeedEngine:
         self.inference_mode_ok = self.stage < 3
         self._clipping = bool(grad_clip)
         self._grad_bytes = 0
+        # DeepSpeed's fp16 loss scaler skips non-finite steps itself (the config allows
+        # train.on_nan: skip with deepspeed only there); skipped_steps reads its count.
+        self.skip_nonfinite = False
+
+    @property
+    def skipped_steps(self) -> int:
+        return int(self.ds.skipped_steps)
 
     @property
     def eval_model(self) -> nn.Module:

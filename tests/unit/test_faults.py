@@ -1,0 +1,123 @@
+"""What survives a fault, without Ray: NaN losses, cut-off checkpoint writes, preemption notices."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raylift.checkpoint import CheckpointError, resume_point, verify_checkpoint
+from raylift.config import ConfigError, load_config, merge
+from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = {
+    "data": {"batch_size": 64},
+    "task_args": {"dropout": 0.2, "width": 8},
+    "train": {"max_steps": 30, "max_epochs": 5, "log_every_n_steps": 1},
+    "checkpoint": {"every_n_steps": 5},
+}
+NAN_TASK = {"task": "tests.flaky:NanDigits", "task_args": {"nan_at": 13, "width": 8}}
+
+
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[None]:
+    init_pg(0, 1, str(tmp_path / "pg"))
+    yield
+    dist.destroy_process_group()
+
+
+def run(
+    root: Path,
+    reporter: LocalReporter | None = None,
+    restore: Path | None = None,
+    **overrides: object,
+) -> tuple[ListTracker, LocalReporter, dict[str, float], torch.nn.Module]:
+    cfg = make_config(**merge(SMALL, overrides))
+    tracker, reporter = ListTracker(), reporter or LocalReporter(root)
+    trainer = make_trainer(cfg, 0, 1, reporter, tracker)
+    if restore is not None:
+        trainer.restore(restore)
+    last: dict[str, float] = {}
+    with contextlib.suppress(KeyboardInterrupt):  # a simulated crash
+        last = trainer.run()
+    return tracker, reporter, last, trainer.engine.eval_model
+
+
+def finite(module: torch.nn.Module) -> bool:
+    return all(bool(p.isfinite().all()) for p in module.parameters())
+
+
+def test_on_nan_stop_names_the_step_and_keeps_the_last_good_checkpoint(
+    tmp_path: Path, pg: None
+) -> None:
+    tracker, reporter, last, _ = run(tmp_path, **NAN_TASK)
+    assert last["nonfinite_step"] == 13
+    steps = [int(p.name.removeprefix("checkpoint-step")) for p in reporter.checkpoints]
+    assert steps == [5, 10]  # nothing written from the broken weights
+    assert max(tracker.series("train_loss")) < 13  # stopped at the first sync after the NaN
+    good = run(tmp_path / "again", restore=reporter.checkpoints[-1])[3]
+    assert finite(good)
+
+
+def test_on_nan_skip_steps_over_the_bad_batch_and_counts_it(tmp_path: Path, pg: None) -> None:
+    tracker, _, last, model = run(tmp_path, train={"on_nan": "skip"}, **NAN_TASK)
+    assert "nonfinite_step" not in last and last["step"] == 30
+    assert finite(model)
+    skipped = tracker.series("skipped_steps")
+    assert skipped[12] == 0 and skipped[13] == 1 and skipped[30] == 1
+    losses = tracker.series("train_loss")
+    # Logged every step here: the interval of step 13 had no finite loss to average.
+    assert [s for s, v in losses.items() if v != v] == [13]
+
+
+def test_on_nan_is_checked_in_the_config() -> None:
+    quick = REPO / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match=r"train\.on_nan"):
+        load_config(quick, ["train.on_nan=ignore"])
+    with pytest.raises(ConfigError, match="fp16 loss scaler"):
+        load_config(quick, ["train.on_nan=skip", "strategy.name=deepspeed"])
+
+
+def test_a_cut_off_checkpoint_write_resumes_from_the_previous_complete_one(
+    tmp_path: Path, pg: None
+) -> None:
+    full, _, _, _ = run(tmp_path / "full")
+    cut = LocalReporter(tmp_path / "cut", crash_after_step=15, cut_write=True)
+    run(tmp_path / "cut", reporter=cut)
+    latest = tmp_path / "cut" / "checkpoint-step00000015"
+    assert latest.is_dir()  # the interrupted write left a folder behind
+    with pytest.raises(CheckpointError, match="incomplete"):
+        verify_checkpoint(latest)
+    said: list[str] = []
+    chosen = resume_point(latest, said.append)
+    assert chosen.name == "checkpoint-step00000010"
+    assert "incomplete" in said[0] and "newest complete" in said[-1]
+    resumed, _, last, _ = run(tmp_path / "resumed", restore=chosen)
+    assert last["step"] == 30
+    want, got = full.series("train_loss"), resumed.series("train_loss")
+    for step in range(11, 31):  # it lost the 5 steps after the last complete checkpoint, no more
+        assert got[step] == pytest.approx(want[step], rel=1e-6, abs=1e-7), step
+    assert resumed.series("restarts") == {10: 1.0}
+    assert resumed.tags == {
+        "raylift.restart.1": "step 10 from checkpoint-step00000010: 1 -> 1 workers"
+    }
+
+
+def test_no_complete_checkpoint_is_an_error_with_the_fix(tmp_path: Path, pg: None) -> None:
+    cut = LocalReporter(tmp_path, crash_after_step=5, cut_write=True)
+    run(tmp_path, reporter=cut)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        resume_point(tmp_path / "checkpoint-step00000005", lambda line: None)
+
+
+def test_a_preemption_notice_takes_one_checkpoint_at_once(tmp_path: Path, pg: None) -> None:
+    reporter = LocalReporter(tmp_path, preempt_at_call=7)
+    run(tmp_path, reporter=reporter, checkpoint={"every_n_steps": None})
+    steps = [int(p.name.removeprefix("checkpoint-step")) for p in reporter.checkpoints]
+    assert steps == [7, 30]  # the notice at step 7, then only the end of the run
+    verify_checkpoint(reporter.checkpoints[0])

@@ -84,12 +84,16 @@ class ListTracker:
     def __init__(self) -> None:
         self.rows: list[tuple[int, dict[str, float]]] = []
         self.tags: dict[str, str] = {}
+        self.artifacts: list[str] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.rows.append((step, dict(metrics)))
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.tags.update(tags)
+
+    def log_artifact(self, path: Path, folder: str) -> None:
+        self.artifacts.append(f"{folder}/{path.name}")
 
     def series(self, key: str) -> dict[int, float]:
         return {step: m[key] for step, m in self.rows if key in m}

@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(plan)
     plan.add_argument("--gpus", type=int, required=True, help="world size (workers)")
     plan.add_argument("--gpu-mem", type=float, required=True, help="memory per worker, GiB")
+    doc = verbs.add_parser("doctor", help="a short profiled run: the bottleneck and what to change")
+    _config_args(doc)
+    doc.add_argument(
+        "--steps", type=int, default=20, help="steps per window: warm-up, measured, profiled"
+    )
     exp = verbs.add_parser("export", help="consolidated fp32 state_dict from a checkpoint")
     exp.add_argument("path", help="a run folder (storage/name) or a checkpoint-step* folder")
     exp.add_argument("--out", required=True, help="where to write the state_dict, e.g. model.pt")
@@ -63,6 +68,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from raylift.data.shards import ShardError
+    from raylift.doctor import run_doctor
+    from raylift.launch import RunFailed
+
+    cfg = load_config(args.config, args.overrides)
+    if args.steps < 2:
+        print("raylift: --steps must be >= 2", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        result = run_doctor(cfg, args.steps)
+    except ShardError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RunFailed as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(result.render())
+    where = result.folder or "MLflow only (remote storage)"
+    print(f"raylift: trace, chart and verdict in {where} and MLflow run {result.run_id}")
     return EXIT_OK
 
 
@@ -189,6 +217,7 @@ COMMANDS = {
     "submit": cmd_submit,
     "export": cmd_export,
     "plan": cmd_plan,
+    "doctor": cmd_doctor,
 }
 
 

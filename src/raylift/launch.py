@@ -175,10 +175,12 @@ def train(
     parent_run_id: str | None = None,
     callbacks: Sequence[Any] = (),
     extra_tags: dict[str, str] | None = None,
+    probe: dict[str, Any] | None = None,
 ) -> TrainResult:
     """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
 
-    A sweep's trial passes its parent MLflow run and Tune's report callback.
+    A sweep's trial passes its parent MLflow run and Tune's report callback;
+    ``raylift doctor`` passes the arguments of its :class:`~raylift.doctor.DoctorProbe`.
     """
     from raylift.data.shards import cache_in_object_store, shards_for_run
     from raylift.tasks import build_task
@@ -213,6 +215,7 @@ def train(
         "cache": cache,
         "run_id": run_id,
         "tracking_uri": uri,
+        "probe": probe,
     }
     status, tags = "FAILED", {}
     try:
@@ -291,6 +294,7 @@ def worker_main(payload: dict[str, Any]) -> None:
         ObjectStoreStore(manifest, payload["cache"]) if payload["cache"] else ParquetStore(manifest)
     )
     d = cfg.data
+    task = build_task(cfg.task, cfg.task_args)
     source = ShardSource(
         store,
         rank,
@@ -301,6 +305,7 @@ def worker_main(payload: dict[str, Any]) -> None:
         prefetch_batches=d.prefetch_batches,
         pin_memory=device.type == "cuda",
         shuffle=d.shuffle,
+        transform=getattr(task, "transform", None),
     )
     tracker = (
         tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"])
@@ -315,8 +320,9 @@ def worker_main(payload: dict[str, Any]) -> None:
         reporter=RayReporter(),
         tracker=tracker,
         log=_print0(rank),
+        probe=_probe(payload.get("probe")),
     )
-    trainer = Trainer(cfg, build_task(cfg.task, cfg.task_args), ctx)
+    trainer = Trainer(cfg, task, ctx)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
@@ -328,6 +334,14 @@ def worker_main(payload: dict[str, Any]) -> None:
         if found is not None:
             trainer.restore(found)
     trainer.run()
+
+
+def _probe(args: dict[str, Any] | None) -> Any:
+    if not args:
+        return None
+    from raylift.doctor import DoctorProbe
+
+    return DoctorProbe(int(args["steps"]), args.get("out_dir") or None)
 
 
 def _resolve_auto(cfg: Config, world: int, device: Any, local_world: int) -> Any:

@@ -23,10 +23,20 @@ import torch.distributed as dist
 from raylift.checkpoint import load_checkpoint, save_checkpoint
 from raylift.config import Config, EarlyStoppingConfig
 from raylift.data.ingest import BatchSource, to_device
+from raylift.metrics import (
+    PHASES,
+    PhaseClock,
+    StepTimes,
+    attach_comm_timer,
+    breakdown,
+    memory_now,
+    mfu,
+    peak_flops,
+)
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
 from raylift.strategies import Engine, build_engine
-from raylift.tasks.base import Batch, Task, blocks_of, tokens_per_sample
+from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 
 
 class Reporter(Protocol):
@@ -46,6 +56,8 @@ class Tracker(Protocol):
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
+    def log_artifact(self, path: Path, folder: str) -> None: ...
+
 
 class NullTracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
@@ -53,6 +65,15 @@ class NullTracker:
 
     def set_tags(self, tags: dict[str, str]) -> None:
         pass
+
+    def log_artifact(self, path: Path, folder: str) -> None:
+        pass
+
+
+class Probe(Protocol):
+    """Watches the run from outside the loop (``raylift doctor``'s profiled window)."""
+
+    def after_step(self, trainer: Trainer) -> None: ...
 
 
 class NonFiniteLoss(RuntimeError):
@@ -72,6 +93,7 @@ class WorkerContext:
     reporter: Reporter
     tracker: Tracker = dataclasses.field(default_factory=NullTracker)
     log: Callable[[str], None] = print
+    probe: Probe | None = None
 
 
 @dataclasses.dataclass
@@ -91,23 +113,17 @@ class LoopState:
 
 @dataclasses.dataclass
 class Interval:
-    """Device-side running sums for one logging interval."""
+    """Device-side running sums for one logging interval, and its phase times."""
 
     loss_sum: torch.Tensor  # finite losses only: a skipped step does not poison the mean
     finite: torch.Tensor  # micro-batches whose loss was finite
+    times: StepTimes
     micro_batches: int = 0
-    samples: int = 0
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    paused: float = 0.0  # seconds spent in eval and checkpoints, kept out of throughput
-    data_wait: float = 0.0  # seconds blocked waiting for the next batch
-
-    def elapsed(self) -> float:
-        return max(time.perf_counter() - self.started - self.paused, 1e-9)
 
     @classmethod
-    def fresh(cls, device: torch.device) -> Interval:
+    def fresh(cls, device: torch.device, clock: PhaseClock) -> Interval:
         zero = torch.zeros((), device=device, dtype=torch.float32)
-        return cls(zero, zero.clone())
+        return cls(zero, zero.clone(), clock.open())
 
 
 def seed_everything(seed: int) -> None:
@@ -121,13 +137,13 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_reduce_max(value: float, device: torch.device) -> float:
-    """The largest ``value`` over ranks: the slowest worker sets the pace."""
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """The largest of each value over ranks: the slowest worker sets the pace."""
     if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return [float(v) for v in t.tolist()]
 
 
 def early_stop_update(
@@ -199,6 +215,11 @@ class Trainer:
         blocks = blocks_of(task, model)
         self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device, blocks)
         self.engine.skip_nonfinite = cfg.train.on_nan == "skip"
+        self.clock = PhaseClock(ctx.device)
+        attach_comm_timer(self.engine.model, self.clock, ctx.device)
+        compute = self.precision.autocast_dtype or self.precision.param_dtype
+        self.peak_flops, self.peak_source = peak_flops(ctx.device, compute)
+        self.flops_per_sample = flops_per_sample(task, model)
         # The first step whose loss was not finite, kept on the device: checking it costs a
         # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
         self.bad_step = torch.full((), -1.0, device=ctx.device)
@@ -219,9 +240,10 @@ class Trainer:
         self.tokens_per_sample = tokens_per_sample(task)
         self.state = LoopState()
         self.last_metrics: dict[str, float] = {}
-        self.interval = Interval.fresh(ctx.device)
+        self.interval = Interval.fresh(ctx.device, self.clock)
         self.memory_logged = False
         self.memory: dict[str, float] = {}
+        self.sticky: dict[str, float] = {}  # carried in every later report (doctor's findings)
 
     def _total_steps(self) -> int:
         by_epochs = self.cfg.train.max_epochs * self.steps_per_epoch
@@ -290,9 +312,13 @@ class Trainer:
         self.ctx.reporter.report(metrics, None, None)
         return metrics
 
-    def _check_finite(self) -> None:
-        """Raise :class:`NonFiniteLoss` if any rank saw an inf/NaN loss (a host sync)."""
-        worst = all_reduce_max(float(self.bad_step), self.ctx.device)
+    def _check_finite(self, worst: float | None = None) -> None:
+        """Raise :class:`NonFiniteLoss` if any rank saw an inf/NaN loss (a host sync).
+
+        ``worst`` is the bad step already reduced over ranks, where the caller packed it
+        into a collective of its own."""
+        if worst is None:
+            worst = all_reduce_max([float(self.bad_step)], self.ctx.device)[0]
         if worst < 0:
             return
         if self.cfg.train.on_nan == "stop":
@@ -342,7 +368,7 @@ class Trainer:
             for _ in range(usable):
                 waited = time.perf_counter()
                 batch = next(batches, None)
-                self.interval.data_wait += time.perf_counter() - waited
+                self.clock.add("data_wait", time.perf_counter() - waited)
                 if batch is None:
                     return
                 yield batch
@@ -362,12 +388,15 @@ class Trainer:
         self._evaluate_and_report()
 
     def _micro_step(self, raw: Batch) -> None:
-        batch = self.task.finish(to_device(raw, self.ctx.device), self.precision.input_dtype)
+        phase = self.clock.phase
+        with phase("h2d"):
+            batch = self.task.finish(to_device(raw, self.ctx.device), self.precision.input_dtype)
         last = (self.state.batch_in_epoch + 1) % self.accum == 0
         with self.engine.sync(last):
-            with self.engine.autocast():
+            with phase("forward"), self.engine.autocast():
                 loss = self.task.loss(self.engine.model, batch)
-            self.engine.backward(loss / self.accum)
+            with phase("backward"):
+                self.engine.backward(loss / self.accum)
         value = loss.detach().float()
         finite = torch.isfinite(value)
         self.interval.loss_sum += torch.where(finite, value, 0.0)
@@ -380,32 +409,41 @@ class Trainer:
         self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
 
     def _after_step(self) -> None:
-        self.engine.step()
-        self.scheduler.step()
+        with self.clock.phase("optimizer"):
+            self.engine.step()
+            self.scheduler.step()
         self.state.step += 1
         self.state.samples += self.global_batch
-        self.interval.samples += self.global_batch
+        self.clock.count_step(self.global_batch)
         step, train_cfg = self.state.step, self.cfg.train
         if not self.memory_logged:
             self._log_memory()
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
-            self._log_interval(self.interval)
-            self.interval = Interval.fresh(self.ctx.device)
-            self._checkpoint_if_preempted()
+            # The next interval opens first, so it carries this log's sync time: each
+            # interval then holds exactly one logging sync, as in steady state.
+            ending, self.interval = self.interval, Interval.fresh(self.ctx.device, self.clock)
+            self.clock.close(ending.times)
+            with self.clock.phase("sync"):
+                self._log_interval(ending)
+                notice = self._preemption_notice()
+            if notice:
+                self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
+                self.checkpoint(self.last_metrics)
+        if self.ctx.probe is not None:
+            self.ctx.probe.after_step(self)
         if train_cfg.eval_every_n_steps and step % train_cfg.eval_every_n_steps == 0:
             self._evaluate_and_report()
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
 
-    def _checkpoint_if_preempted(self) -> None:
-        """A node is about to go (a spot reclaim): save now rather than lose the interval."""
+    def _preemption_notice(self) -> bool:
+        """True once, when a node is about to go (a spot reclaim) and the step is unsaved:
+        saving now beats losing the interval."""
         if self.preempt_saved or not self.ctx.reporter.preempting():
-            return
+            return False
         self.preempt_saved = True
-        if self.state.step != self.state.last_ckpt_step:
-            self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
-            self.checkpoint(self.last_metrics)
+        return self.state.step != self.state.last_ckpt_step
 
     # ------------------------------------------------------------ metrics
 
@@ -428,36 +466,67 @@ class Trainer:
     def _log_interval(self, interval: Interval) -> None:
         if interval.micro_batches == 0:
             return
-        self._check_finite()
-        # The one host sync of the interval: mean loss over ranks and micro-batches.
-        packed = torch.stack([interval.loss_sum, interval.finite])
-        loss_sum, count = all_reduce_sum(packed).tolist()
-        elapsed = interval.elapsed()
+        # The host syncs of the interval: one sum and one max over ranks.
+        (loss_sum, count), timing, worst = self.reduce_times(
+            interval.times, [interval.loss_sum, interval.finite], [float(self.bad_step)]
+        )
+        self._check_finite(worst[0])
         metrics: dict[str, float] = {
             "train_loss": loss_sum / count if count else math.nan,
-            "data_wait_frac": all_reduce_max(
-                min(interval.data_wait / elapsed, 1.0), self.ctx.device
-            ),
             "lr": float(self.scheduler.get_last_lr()[0]),
-            "samples_per_s": interval.samples / elapsed,
             "epoch": float(self.state.epoch),
             "world_size": float(self.ctx.world_size),
             "global_batch": float(self.global_batch),
+            **timing,
         }
-        if self.tokens_per_sample:
-            metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
         if self.cfg.train.on_nan == "skip":
             metrics["skipped_steps"] = float(self.engine.skipped_steps)
         self.ctx.tracker.log_metrics(metrics, self.state.step)
-        self._print_line(metrics, elapsed / max(interval.samples / self.global_batch, 1))
+        self._print_line(metrics)
 
-    def _print_line(self, m: dict[str, float], step_time: float) -> None:
-        eta = (self.total_steps - self.state.step) * step_time
+    def reduce_times(
+        self, times: StepTimes, sums: list[torch.Tensor], maxes: list[float]
+    ) -> tuple[list[float], dict[str, float], list[float]]:
+        """Step-time breakdown, throughput, MFU and memory of ``times`` over all ranks.
+
+        ``sums`` and ``maxes`` ride along in the same two collectives; their reduced
+        values come back first and last. Phase times are averaged over ranks; the data
+        wait and memory are the worst rank's."""
+        seconds, elapsed = times.resolve(), times.elapsed()
+        local = [seconds[p] for p in PHASES] + [times.comm, elapsed]
+        device = self.ctx.device
+        head = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64)
+        packed = torch.cat(
+            [head.to(device), torch.tensor(local, dtype=torch.float64, device=device)]
+        )
+        total = all_reduce_sum(packed).tolist()
+        memory = memory_now(device)
+        worst = all_reduce_max([*maxes, seconds["data_wait"] / elapsed, *memory.values()], device)
+        n = len(sums)
+        world = self.ctx.world_size
+        mean_elapsed = total[-1] / world
+        metrics = breakdown(dict(zip(PHASES, total[n : n + len(PHASES)], strict=True)), total[-1])
+        metrics["data_wait_frac"] = min(worst[len(maxes)], 1.0)
+        metrics["step_time_s"] = mean_elapsed / max(times.steps, 1)
+        metrics["samples_per_s"] = times.samples / mean_elapsed
+        if self.clock.comm_measured:
+            metrics["comm_frac"] = min(total[-2] / total[-1], 1.0)
+        if self.tokens_per_sample:
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
+        value = mfu(metrics["samples_per_s"], world, self.flops_per_sample, self.peak_flops)
+        if math.isfinite(value):
+            metrics["mfu"] = value
+        metrics.update(zip(memory, worst[len(maxes) + 1 :], strict=True))
+        return total[:n], metrics, worst[: len(maxes)]
+
+    def _print_line(self, m: dict[str, float]) -> None:
+        eta = (self.total_steps - self.state.step) * m["step_time_s"]
         tok = f"  {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
+        util = f"  mfu {m['mfu']:.1%}" if "mfu" in m else ""
         self.ctx.log(
             f"epoch {self.state.epoch:>3}  step {self.state.step:>6}/{self.total_steps}  "
             f"loss {m['train_loss']:.4f}  lr {m['lr']:.2e}  {m['samples_per_s']:,.0f} samples/s"
-            f"{tok}  data wait {m['data_wait_frac']:.0%}  eta {_fmt_time(eta)}"
+            f"{tok}{util}  data wait {m['data_wait_frac']:.0%}  eta {_fmt_time(eta)}"
         )
 
     def evaluate(self) -> dict[str, float]:
@@ -495,6 +564,7 @@ class Trainer:
             self.state.stopped_early = True
         metrics = {
             **metrics,
+            **self.sticky,
             "epoch": float(self.state.epoch),
             "epochs_done": self._epochs_done(),
             "step": float(self.state.step),
@@ -505,7 +575,7 @@ class Trainer:
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
         self.ctx.log(f"epoch {self.state.epoch:>3}  step {self.state.step:>6}  eval  {shown}")
         self.ctx.reporter.report(metrics, None, None)
-        self.interval.paused += time.perf_counter() - started
+        self.clock.pause(time.perf_counter() - started)
 
     def checkpoint(self, metrics: dict[str, float]) -> None:
         started = time.perf_counter()
@@ -515,7 +585,7 @@ class Trainer:
             save_checkpoint(Path(tmp), self.engine, self.loop_state(), self.ctx.rank)
             name = f"checkpoint-step{self.state.step:08d}"
             self.ctx.reporter.report({**metrics, "step": float(self.state.step)}, Path(tmp), name)
-        self.interval.paused += time.perf_counter() - started
+        self.clock.pause(time.perf_counter() - started)
 
 
 def _fmt_time(seconds: float) -> str:

@@ -141,3 +141,6 @@ class MlflowTracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+    def log_artifact(self, path: Path, folder: str) -> None:
+        self.client.log_artifact(self.run_id, str(path), folder)

@@ -42,3 +42,8 @@ def test_train_with_bad_config_exits_2_before_starting_ray(
 ) -> None:
     assert main(["train", QUICKSTART, "precision=fp8"]) == 2
     assert "precision" in capsys.readouterr().err
+
+
+def test_doctor_needs_at_least_two_steps_per_window(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", QUICKSTART, "--steps", "1"]) == 2
+    assert "--steps must be >= 2" in capsys.readouterr().err

@@ -125,3 +125,22 @@ def test_batches_are_writable_tensors_of_the_stored_dtype() -> None:
     batch = next(iter(source(0, 1, shuffle=False).train_batches(0)))
     assert batch["x"].dtype == torch.uint8 and batch["x"].shape == (16,)
     batch["x"] += 1  # torch owns writable memory, not arrow's read-only buffers
+
+
+def test_a_task_transform_runs_per_batch_seeded_by_the_rows_place_in_the_epoch() -> None:
+    def jitter(cols: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+        return {**cols, "noise": rng.random(len(cols["id"]))}
+
+    def noise_by_row(world: int, prefetch: int) -> dict[int, float]:
+        out = {}
+        for r in range(world):
+            src = source(r, world, transform=jitter, prefetch_batches=prefetch)
+            for b in src.train_batches(1):
+                out.update(zip(b["id"].tolist(), b["noise"].tolist(), strict=True))
+        return out
+
+    one, two = noise_by_row(1, 0), noise_by_row(2, 4)
+    assert one == two  # the same draw for the same rows, at any world size, prefetched or not
+    assert len(set(one.values())) == len(one)  # and a fresh draw per row
+    val = next(source(0, 1, transform=jitter).eval_batches())
+    assert "noise" not in val  # evaluation sees the data as prepared

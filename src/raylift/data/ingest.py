@@ -27,6 +27,8 @@ import torch
 from raylift.tasks.base import Batch
 
 Columns = dict[str, np.ndarray]
+# A task's host-side work per training batch (random augmentation), in the prefetch thread.
+Transform = Callable[[Columns, np.random.Generator], Columns]
 
 
 class BatchSource(Protocol):
@@ -217,8 +219,10 @@ class ShardSource:
         prefetch_batches: int = 4,
         pin_memory: bool = False,
         shuffle: bool = True,
+        transform: Transform | None = None,
     ):
         self.store, self.rank, self.world = store, rank, world_size
+        self.transform = transform
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed, self.shuffle = seed, shuffle
         self.prefetch, self.pin = prefetch_batches, pin_memory
@@ -242,7 +246,16 @@ class ShardSource:
         stop = first + self.remaining_micro_batches(start_row) * self.world
         b = self.batch_size
         spans = [(k * b, (k + 1) * b) for k in range(first, stop, self.world)]
-        return self._stream(lambda reader, span: reader.rows(order, *span), spans)
+
+        def read(reader: _Reader, span: tuple[int, int]) -> Columns:
+            cols = reader.rows(order, *span)
+            if self.transform is None:
+                return cols
+            # Seeded by the rows' place in the epoch: a resumed run, at any world size,
+            # draws the same augmentation for the same rows.
+            return self.transform(cols, np.random.default_rng([self.seed, epoch, span[0]]))
+
+        return self._stream(read, spans)
 
     def eval_batches(self) -> Iterator[Batch]:
         """Every val row exactly once over all ranks, in the same number of batches per rank."""

@@ -7,6 +7,13 @@ three places:
   columns, and should leave data compact (uint8 images, small-int tokens);
 - ``finish`` runs on the worker's device on each batch (dtype casts, normalisation);
 - ``build_model``, ``loss`` and ``eval_sums`` run in the training loop.
+
+Optional methods: ``blocks(model)`` (repeated layers, for activation checkpointing
+and compile), ``flops_per_sample(model)`` (for MFU), ``tokens_per_sample`` (an
+attribute, for ``tokens_per_s``) and ``transform(columns, rng)``: host-side work per
+training batch that cannot be done once offline (random augmentation). It runs in
+the loader's prefetch thread on numpy columns; everything that can be done once
+belongs in ``preprocess``.
 """
 
 from __future__ import annotations
@@ -63,3 +70,11 @@ def blocks_of(task: object, model: nn.Module) -> list[nn.Module]:
 def tokens_per_sample(task: object) -> int:
     """Tokens in one training sample, for ``tokens_per_s``; 0 for non-token tasks."""
     return int(getattr(task, "tokens_per_sample", 0) or 0)
+
+
+def flops_per_sample(task: object, model: nn.Module) -> float:
+    """Training FLOPs (forward + backward) of one sample, for MFU; 0 when the task does not say.
+
+    A task says it with an optional ``flops_per_sample(model)`` method."""
+    fn = getattr(task, "flops_per_sample", None)
+    return float(fn(model)) if callable(fn) else 0.0

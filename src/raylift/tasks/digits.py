@@ -82,6 +82,14 @@ class DigitsTask:
             "count": torch.tensor(label.numel(), device=label.device),
         }
 
+    def flops_per_sample(self, model: nn.Module) -> float:
+        """Forward multiply-adds of the CNN x 2 FLOPs each, x 3 for forward + backward."""
+        w = self.width
+        conv1 = 8 * 8 * w * 9  # 8x8 outputs, w channels, 3x3 kernel over 1 input channel
+        conv2 = 8 * 8 * 2 * w * 9 * w
+        fc = 2 * w * 16 * 128 + 128 * 10
+        return 3 * 2 * float(conv1 + conv2 + fc)
+
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["count"], 1.0)
         return {"val_loss": sums["loss_sum"] / n, "val_acc": sums["correct"] / n}

@@ -1,0 +1,548 @@
+"""``raylift doctor``: a short profiled slice of the real run, a verdict and what to change.
+
+The run is the user's config with a fresh name, no checkpoints and no early stopping,
+for three windows of ``steps`` optimizer steps each:
+
+1. warm-up (allocator, kernel choice, compile, the first prefetches);
+2. measured: the loop's own phase clock over all ranks (no profiler overhead);
+3. profiled: ``torch.profiler`` on rank 0, for the Chrome trace, host syncs per
+   step and time in collectives.
+
+The driver turns what the workers measured into a verdict (:func:`diagnose`), a
+PNG chart of the step-time breakdown and a ranked list of config changes, and logs
+all three, with the trace, to the run's MLflow run and its folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+
+from raylift.config import Config
+from raylift.metrics import PHASES, StepTimes, dtype_key, peak_flops
+
+PREFIX = "doctor_"
+Metrics = dict[str, float]
+SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+VERDICTS = (
+    "input-bound",
+    "host-sync-bound",
+    "communication-bound",
+    "memory-bound",
+    "cpu-bound",
+    "compute-bound",
+)
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class DoctorProbe:
+    """Rides along in the training loop (``WorkerContext.probe``) and measures two windows."""
+
+    def __init__(self, steps: int, out_dir: str | None):
+        self.steps, self.out_dir = steps, out_dir
+        self.window: StepTimes | None = None
+        self.profiler: Any = None
+
+    def after_step(self, trainer: Any) -> None:
+        step = trainer.state.step
+        if step == self.steps:
+            self.window = trainer.clock.open()
+        elif step == 2 * self.steps and self.window is not None:
+            self._measured(trainer, self.window)
+            self.window = trainer.clock.open()
+            self._start_profiler(trainer)
+        elif step == 3 * self.steps and self.window is not None:
+            self._profiled(trainer, self.window)
+            self.window = None
+
+    def _measured(self, trainer: Any, window: StepTimes) -> None:
+        trainer.clock.close(window)
+        _, metrics, _ = trainer.reduce_times(window, [], [])
+        metrics.update(self._context(trainer))
+        trainer.sticky.update({PREFIX + k: v for k, v in metrics.items()})
+
+    def _context(self, trainer: Any) -> dict[str, float]:
+        """What the verdict needs beyond the timings: peaks per dtype, memory limits."""
+        import psutil
+
+        device = trainer.ctx.device
+        out = {"world_size": float(trainer.ctx.world_size), "steps": float(self.steps)}
+        for dtype in (torch.float32, torch.bfloat16):
+            peak, _ = peak_flops(device, dtype)
+            out[f"peak_{dtype_key(dtype)}_flops"] = peak or math.nan
+        out["host_mem_bytes"] = float(psutil.virtual_memory().total)
+        out["cuda"] = float(device.type == "cuda")
+        return out
+
+    def _start_profiler(self, trainer: Any) -> None:
+        if trainer.ctx.rank != 0:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if trainer.ctx.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self.profiler = profile(activities=activities)
+        self.profiler.start()
+
+    def _profiled(self, trainer: Any, window: StepTimes) -> None:
+        trainer.clock.close(window)
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        stats = trace_stats(self.profiler, self.steps, window.elapsed())
+        trainer.sticky.update({PREFIX + k: v for k, v in stats.items()})
+        folder = Path(self.out_dir) if self.out_dir else Path(tempfile.mkdtemp("raylift-doctor"))
+        folder.mkdir(parents=True, exist_ok=True)
+        trace = folder / "trace-rank0.json"
+        self.profiler.export_chrome_trace(str(trace))
+        trainer.ctx.tracker.log_artifact(trace, "doctor")
+        self.profiler = None
+
+
+def trace_stats(profiler: Any, steps: int, elapsed: float) -> dict[str, float]:
+    """Host syncs per step and the share of time in collectives, from a profile of ``steps``.
+
+    Syncs are ``.item()``-style reads and stream synchronisations, counted at their
+    outermost call; the optimizer's own step counters (CPU tensors) are not syncs.
+    Collective time is gloo's ops on the host, NCCL's kernels on the device."""
+    syncs, comm_us = 0, 0.0
+    for event in profiler.events():
+        name = event.name
+        if name in SYNC_OPS and not _inside(event, SYNC_OPS, "Optimizer.step"):
+            syncs += 1
+        elif name.startswith("gloo:") and not _inside(event, (), "gloo:"):
+            comm_us += event.cpu_time_total
+        elif "nccl" in name.lower() and event.device_type == DeviceType.CUDA:
+            comm_us += float(event.self_device_time_total)
+    return {
+        "syncs_per_step": syncs / max(steps, 1),
+        "profiled_comm_frac": min(comm_us / 1e6 / max(elapsed, 1e-9), 1.0),
+    }
+
+
+def _inside(event: Any, names: tuple[str, ...], prefix: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in names or parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+# ---------------------------------------------------------------- the verdict
+
+
+@dataclasses.dataclass
+class Suggestion:
+    key: str  # the config key to change, or "code" for a change to the task
+    value: str  # what to set it to
+    why: str
+    gain: float  # expected speed-up factor of samples_per_s (1.0 = none), a rough model
+
+    def line(self) -> str:
+        change = f"{self.key}={self.value}" if self.value else self.key
+        return f"{change:<36} ~{self.gain:.2f}x  {self.why}"
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    verdict: str
+    evidence: list[str]
+    suggestions: list[Suggestion]
+    shares: dict[str, float]  # the step-time breakdown behind the verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _amdahl(removed: float) -> float:
+    """Speed-up from removing ``removed`` of the step time."""
+    return 1.0 / max(1.0 - removed, 0.05)
+
+
+def shares_of(m: dict[str, float]) -> dict[str, float]:
+    """The measured window's step-time fractions (``doctor_step_<phase>_frac``)."""
+    out = {p: m.get(f"{PREFIX}step_{p}_frac", 0.0) for p in PHASES}
+    out["other"] = m.get(f"{PREFIX}step_other_frac", 0.0)
+    return out
+
+
+def comm_share(m: dict[str, float]) -> float:
+    """Time in collectives: the DDP hook's measure where there is one, else the profiler's."""
+    hook = m.get(f"{PREFIX}comm_frac")
+    return hook if hook is not None else m.get(f"{PREFIX}profiled_comm_frac", 0.0)
+
+
+def memory_use(m: dict[str, float]) -> float:
+    """Peak memory as a share of what a worker has (GPU memory, or its share of host RAM)."""
+    if m.get(f"{PREFIX}cuda"):
+        total = m.get(f"{PREFIX}cuda_total_bytes", 0.0)
+        return m.get(f"{PREFIX}cuda_reserved_bytes", 0.0) / total if total else 0.0
+    host = m.get(f"{PREFIX}host_mem_bytes", 0.0)
+    world = m.get(f"{PREFIX}world_size", 1.0)
+    return m.get(f"{PREFIX}mem_rss_bytes", 0.0) * world / host if host else 0.0
+
+
+def diagnose(m: dict[str, float], cfg: Config, task: object = None) -> Diagnosis:
+    """The bottleneck of a doctor run's measurements, with changes ranked by expected gain.
+
+    Config changes come first, by expected gain; changes to the task's code follow."""
+    s = shares_of(m)
+    comm = comm_share(m)
+    syncs = m.get(f"{PREFIX}syncs_per_step", 0.0)
+    wait = max(m.get(f"{PREFIX}data_wait_frac", 0.0), s["data_wait"])
+    compute = s["h2d"] + s["forward"] + s["backward"] + s["optimizer"]
+    evidence = [
+        "step time: " + ", ".join(f"{k} {v:.0%}" for k, v in s.items()),
+        f"collectives in flight: {comm:.0%} of step time; host syncs per step: {syncs:.2f}",
+        f"{m.get(PREFIX + 'samples_per_s', math.nan):,.0f} samples/s, "
+        f"{m.get(PREFIX + 'step_time_s', math.nan) * 1e3:.1f} ms per step"
+        + (f", MFU {m[PREFIX + 'mfu']:.1%}" if PREFIX + "mfu" in m else ""),
+        f"peak memory {memory_use(m):.0%} of what a worker has",
+    ]
+    memory = memory_use(m)
+    if memory >= 0.9:
+        verdict = "memory-bound"
+    elif wait >= 0.2:
+        verdict = "input-bound"
+    elif s["sync"] >= 0.15 or (m.get(f"{PREFIX}cuda") and syncs >= 1 and s["other"] >= 0.2):
+        verdict = "host-sync-bound"
+    elif comm >= 0.5 * compute and comm >= 0.25:
+        verdict = "communication-bound"
+    elif s["other"] >= 0.3:
+        verdict = "cpu-bound"
+    else:
+        verdict = "compute-bound"
+    found = SUGGEST[verdict](m, cfg, s, comm)
+    if verdict == "input-bound" and callable(getattr(task, "transform", None)):
+        found.append(
+            Suggestion(
+                "code",
+                "",
+                "move the task's per-batch transform into preprocess, done once by raylift prep",
+                _amdahl(wait),
+            )
+        )
+    found.sort(key=lambda x: (x.key == "code", -x.gain))
+    return Diagnosis(verdict, evidence, found, {**s, "comm": comm})
+
+
+def _input(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
+    wait = max(m.get(f"{PREFIX}data_wait_frac", 0.0), s["data_wait"])
+    out = []
+    if cfg.data.prefetch_batches < 8:
+        # Prefetching overlaps loading with the step: the wait shrinks to what loading
+        # takes beyond the step itself.
+        busy = 1.0 - wait
+        hidden = min(wait, busy) if cfg.data.prefetch_batches == 0 else min(wait, busy) / 2
+        out.append(
+            Suggestion(
+                "data.prefetch_batches",
+                str(max(4, 2 * cfg.data.prefetch_batches)),
+                f"{wait:.0%} of each step waits for the next batch; load it during the step",
+                _amdahl(hidden),
+            )
+        )
+    if not cfg.data.cache:
+        out.append(
+            Suggestion(
+                "data.cache",
+                "true",
+                "keep the prepared rows in Ray's object store instead of re-reading parquet",
+                _amdahl(wait / 2),
+            )
+        )
+    return out
+
+
+def _sync(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
+    out = []
+    every = cfg.train.log_every_n_steps
+    if every < 50:
+        new = max(50, every * 10)
+        out.append(
+            Suggestion(
+                "train.log_every_n_steps",
+                str(new),
+                f"{s['sync']:.0%} of step time goes to syncing and logging every {every} "
+                "step(s); each log is a host sync and a collective",
+                _amdahl(s["sync"] * (1 - every / new)),
+            )
+        )
+    if cfg.train.on_nan == "skip":
+        out.append(
+            Suggestion(
+                "train.on_nan",
+                "stop",
+                "skip reads the gradient norm on the host every step; stop keeps it on the device",
+                _amdahl(s["optimizer"] / 2),
+            )
+        )
+    out.append(
+        Suggestion(
+            "code",
+            "",
+            "a .item(), .cpu(), print or Python branch on a device tensor in the task's loss "
+            "or finish syncs every step; keep values on the device",
+            _amdahl(s["other"] / 2),
+        )
+    )
+    return out
+
+
+def _comm(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
+    accum = cfg.train.grad_accum
+    out = [
+        Suggestion(
+            "train.grad_accum",
+            str(accum * 2),
+            f"collectives take {comm:.0%} of step time; accumulating twice as many "
+            "micro-batches all-reduces half as often per sample",
+            _amdahl(comm / 2),
+        ),
+        Suggestion(
+            "data.batch_size",
+            str(cfg.data.batch_size * 2),
+            "twice the rows per all-reduce (raise optim.lr with it)",
+            _amdahl(comm / 2) * 0.95,
+        ),
+    ]
+    if cfg.strategy.name in ("fsdp", "deepspeed") and (
+        cfg.strategy.name == "fsdp" or cfg.strategy.zero_stage == 3
+    ):
+        out.append(
+            Suggestion(
+                "strategy.name",
+                "ddp",
+                "if a replica fits in memory (raylift plan), DDP gathers no parameters",
+                _amdahl(comm / 3),
+            )
+        )
+    return out
+
+
+def _memory(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
+    out = []
+    if not cfg.strategy.activation_checkpointing:
+        out.append(
+            Suggestion(
+                "strategy.activation_checkpointing",
+                "true",
+                "recompute each block's activations in backward instead of keeping them",
+                1.0,
+            )
+        )
+    if cfg.strategy.name in ("ddp", "fairscale"):
+        out.append(
+            Suggestion(
+                "strategy",
+                "{name: fsdp}",
+                "shard parameters, gradients and optimizer state (raylift plan compares)",
+                1.0,
+            )
+        )
+    out.append(
+        Suggestion(
+            "data.batch_size",
+            str(max(cfg.data.batch_size // 2, 1)),
+            f"with train.grad_accum={cfg.train.grad_accum * 2}: same global batch, half the "
+            "activations",
+            0.95,
+        )
+    )
+    return out
+
+
+def _cpu(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
+    out = [
+        Suggestion(
+            "data.batch_size",
+            str(cfg.data.batch_size * 2),
+            f"{s['other']:.0%} of step time is Python and launch overhead outside the phases; "
+            "bigger batches spread it over more samples",
+            _amdahl(s["other"] / 2),
+        )
+    ]
+    if not cfg.train.compile:
+        out.append(
+            Suggestion(
+                "train.compile", "true", "fuse small ops, fewer launches", _amdahl(s["other"] / 3)
+            )
+        )
+    return out
+
+
+def _compute(
+    m: dict[str, float], cfg: Config, s: dict[str, float], comm: float
+) -> list[Suggestion]:
+    compute = s["forward"] + s["backward"]
+    out: list[Suggestion] = []
+    fp32, bf16 = m.get(f"{PREFIX}peak_fp32_flops", math.nan), m.get(f"{PREFIX}peak_bf16_flops")
+    if cfg.precision == "32" and bf16 and bf16 > 1.2 * fp32:
+        out.append(
+            Suggestion(
+                "precision",
+                "bf16-mixed",
+                f"this device multiplies bf16 at {bf16 / fp32:.1f}x its fp32 rate",
+                _amdahl(compute * (1 - fp32 / bf16)),
+            )
+        )
+    if cfg.precision in ("bf16-mixed", "bf16-true") and bf16 and bf16 < fp32:
+        out.append(
+            Suggestion(
+                "precision",
+                "32",
+                f"this device multiplies bf16 at {bf16 / fp32:.1f}x its fp32 rate: no gain",
+                _amdahl(compute * (1 - bf16 / fp32)),
+            )
+        )
+    if cfg.strategy.activation_checkpointing:
+        out.append(
+            Suggestion(
+                "strategy.activation_checkpointing",
+                "false",
+                "recomputation costs about a third of backward; turn it off if memory allows",
+                _amdahl(s["backward"] / 3),
+            )
+        )
+    # Fixed per-step costs (optimizer, launches, the all-reduce latency) shrink per sample.
+    fixed = s["optimizer"] + s["other"] + s["sync"]
+    out.append(
+        Suggestion(
+            "data.batch_size",
+            str(cfg.data.batch_size * 2),
+            f"per-step fixed costs (optimizer, overhead) are {fixed:.0%} of a step; "
+            "twice the batch halves them per sample (raise optim.lr with it)",
+            _amdahl(fixed / 2),
+        )
+    )
+    if not cfg.train.compile:
+        out.append(
+            Suggestion("train.compile", "true", "fused kernels for forward and backward", 1.05)
+        )
+    return out
+
+
+SUGGEST = {
+    "input-bound": _input,
+    "host-sync-bound": _sync,
+    "communication-bound": _comm,
+    "memory-bound": _memory,
+    "cpu-bound": _cpu,
+    "compute-bound": _compute,
+}
+
+
+# ---------------------------------------------------------------- driver side
+
+
+@dataclasses.dataclass
+class DoctorResult:
+    name: str
+    diagnosis: Diagnosis
+    metrics: dict[str, float]
+    folder: Path | None
+    chart: Path
+    run_id: str
+
+    def render(self) -> str:
+        d = self.diagnosis
+        lines = [f"verdict: {d.verdict}", "evidence:"]
+        lines += [f"  {e}" for e in d.evidence]
+        lines.append("what to change, by expected gain:")
+        lines += [f"  {i}. {s.line()}" for i, s in enumerate(d.suggestions, 1)]
+        return "\n".join(lines)
+
+
+def doctor_config(cfg: Config, steps: int) -> Config:
+    """The user's run, renamed, for 3 windows of ``steps``: no early stop, and one checkpoint
+    at the end only (Ray hands back the metrics of the latest checkpoint)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    train = dataclasses.replace(
+        cfg.train,
+        max_steps=3 * steps,
+        max_epochs=10**6,
+        early_stopping=None,
+        eval_every_n_steps=None,
+    )
+    ckpt = dataclasses.replace(cfg.checkpoint, every_n_steps=None)
+    return dataclasses.replace(cfg, name=f"{cfg.name}-doctor-{stamp}", train=train, checkpoint=ckpt)
+
+
+def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
+    """Profile ``cfg`` on Ray (local or ``RAY_ADDRESS``) and diagnose it."""
+    from raylift import launch, tracking
+
+    if steps < 2:
+        raise ValueError("--steps: at least 2 steps per window")
+    run = doctor_config(cfg, steps)
+    storage = launch.resolve_storage(run.storage)
+    folder = None if "://" in storage else Path(storage) / run.name / "doctor"
+    result = launch.train(run, log, probe={"steps": steps, "out_dir": str(folder or "")})
+    if PREFIX + "samples_per_s" not in result.metrics:
+        raise RuntimeError(
+            f"the doctor run {run.name!r} ended before its measured window (steps "
+            f"{steps + 1}-{2 * steps}); lower --steps"
+        )
+    from raylift.tasks import build_task
+
+    diagnosis = diagnose(result.metrics, cfg, build_task(cfg.task, cfg.task_args))
+    out = folder or Path(tempfile.mkdtemp(prefix="raylift-doctor-"))
+    out.mkdir(parents=True, exist_ok=True)
+    chart = draw_chart(diagnosis, result.metrics, out / "breakdown.png")
+    report = out / "verdict.json"
+    measured = {k: v for k, v in result.metrics.items() if k.startswith(PREFIX)}
+    report.write_text(
+        json.dumps({"name": run.name, **diagnosis.to_dict(), "metrics": measured}, indent=2)
+    )
+    client = tracking.client(result.tracking_uri)
+    for path in (chart, report):
+        client.log_artifact(result.run_id, str(path), "doctor")
+    client.set_tag(result.run_id, "raylift.doctor.verdict", diagnosis.verdict)
+    return DoctorResult(run.name, diagnosis, result.metrics, folder, chart, result.run_id)
+
+
+def draw_chart(diagnosis: Diagnosis, m: dict[str, float], path: Path) -> Path:
+    """A stacked bar of where a step's time goes, the verdict and the first changes."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on workers and CI machines
+    import matplotlib.pyplot as plt
+
+    shares = {k: v for k, v in diagnosis.shares.items() if k != "comm"}
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#bbbbbb"]
+    fig = plt.figure(figsize=(10, 3.8))
+    bar = fig.add_axes((0.07, 0.45, 0.66, 0.38))
+    left = 0.0
+    for i, (phase, share) in enumerate(shares.items()):
+        color = colors[i % len(colors)]
+        bar.barh(1, share, left=left, color=color, label=f"{phase} {share:.0%}")
+        if share >= 0.06:
+            bar.text(left + share / 2, 1, phase, ha="center", va="center", fontsize=8)
+        left += share
+    comm = diagnosis.shares.get("comm", 0.0)
+    bar.barh(0, comm, color="black", height=0.5, label=f"collectives {comm:.0%} (overlap)")
+    bar.set_xlim(0, 1)
+    bar.set_yticks([0, 1], ["comm", "step"])
+    bar.set_xlabel("share of step time")
+    step_ms = m.get(PREFIX + "step_time_s", math.nan) * 1e3
+    rate = m.get(PREFIX + "samples_per_s", math.nan)
+    bar.set_title(f"{diagnosis.verdict}: {step_ms:.1f} ms per step, {rate:,.0f} samples/s")
+    bar.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    lines = [f"{i}. {s.line()}" for i, s in enumerate(diagnosis.suggestions[:4], 1)]
+    text = "\n".join(line if len(line) <= 120 else line[:117] + "..." for line in lines)
+    fig.text(0.04, 0.04, "what to change:\n" + text, family="monospace", fontsize=7.5)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,25 @@
+"""Tasks built to have one bottleneck each, for ``raylift doctor``'s tests (imported by workers)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from raylift.tasks.digits import DigitsTask
+
+Columns = dict[str, np.ndarray]
+
+
+class SlowInputDigits(DigitsTask):
+    """Digits whose per-batch host transform takes ``delay_ms``: a stand-in for a slow
+    decoder or augmentation. It sleeps, holding no core, so only how the loader overlaps
+    it with the step decides how long the step waits."""
+
+    def __init__(self, delay_ms: float = 15.0, **kwargs: object):
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.delay = delay_ms / 1000.0
+
+    def transform(self, batch: Columns, rng: np.random.Generator) -> Columns:
+        time.sleep(self.delay)
+        return batch

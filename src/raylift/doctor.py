@@ -179,9 +179,8 @@ def shares_of(m: dict[str, float]) -> dict[str, float]:
 
 
 def comm_share(m: dict[str, float]) -> float:
-    """Time in collectives: the DDP hook's measure where there is one, else the profiler's."""
-    hook = m.get(f"{PREFIX}comm_frac")
-    return hook if hook is not None else m.get(f"{PREFIX}profiled_comm_frac", 0.0)
+    """Time in collectives (gloo ops, NCCL kernels) in the profiled window, overlap included."""
+    return m.get(f"{PREFIX}profiled_comm_frac", 0.0)
 
 
 def memory_use(m: dict[str, float]) -> float:

@@ -27,7 +27,6 @@ from raylift.metrics import (
     PHASES,
     PhaseClock,
     StepTimes,
-    attach_comm_timer,
     breakdown,
     memory_now,
     mfu,
@@ -216,7 +215,6 @@ class Trainer:
         self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device, blocks)
         self.engine.skip_nonfinite = cfg.train.on_nan == "skip"
         self.clock = PhaseClock(ctx.device)
-        attach_comm_timer(self.engine.model, self.clock, ctx.device)
         compute = self.precision.autocast_dtype or self.precision.param_dtype
         self.peak_flops, self.peak_source = peak_flops(ctx.device, compute)
         self.flops_per_sample = flops_per_sample(task, model)
@@ -419,10 +417,12 @@ class Trainer:
         if not self.memory_logged:
             self._log_memory()
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
-            # The next interval opens first, so it carries this log's sync time: each
-            # interval then holds exactly one logging sync, as in steady state.
-            ending, self.interval = self.interval, Interval.fresh(self.ctx.device, self.clock)
+            # The next interval opens before this log, so it carries this log's sync time:
+            # each interval then holds exactly one logging sync, as in steady state.
+            ending = self.interval
             self.clock.close(ending.times)
+            self.clock.drain()
+            self.interval = Interval.fresh(self.ctx.device, self.clock)
             with self.clock.phase("sync"):
                 self._log_interval(ending)
                 notice = self._preemption_notice()
@@ -493,7 +493,7 @@ class Trainer:
         values come back first and last. Phase times are averaged over ranks; the data
         wait and memory are the worst rank's."""
         seconds, elapsed = times.resolve(), times.elapsed()
-        local = [seconds[p] for p in PHASES] + [times.comm, elapsed]
+        local = [seconds[p] for p in PHASES] + [elapsed]
         device = self.ctx.device
         head = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64)
         packed = torch.cat(
@@ -509,8 +509,6 @@ class Trainer:
         metrics["data_wait_frac"] = min(worst[len(maxes)], 1.0)
         metrics["step_time_s"] = mean_elapsed / max(times.steps, 1)
         metrics["samples_per_s"] = times.samples / mean_elapsed
-        if self.clock.comm_measured:
-            metrics["comm_frac"] = min(total[-2] / total[-1], 1.0)
         if self.tokens_per_sample:
             metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
         value = mfu(metrics["samples_per_s"], world, self.flops_per_sample, self.peak_flops)

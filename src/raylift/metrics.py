@@ -103,7 +103,6 @@ class StepTimes:
     steps: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
     paused: float = 0.0  # eval and checkpoints: not training time
-    comm: float = 0.0  # all-reduce seconds in flight (overlaps backward), where measured
     seconds: dict[str, float] = dataclasses.field(default_factory=_zero_phases)
     pending: list[tuple[str, Any, Any]] = dataclasses.field(default_factory=list)  # CUDA events
 
@@ -120,12 +119,15 @@ class StepTimes:
 
 
 class PhaseClock:
-    """Times phases into every open :class:`StepTimes`; comm seconds come from a DDP hook."""
+    """Times phases into every open :class:`StepTimes`.
+
+    Communication is not a phase: DDP's all-reduces overlap backward, and timing them
+    per step from Python (a comm hook) slowed DDP on gpt-tiny by half on 2 CPU cores.
+    ``raylift doctor`` reads collective time from its profiled window instead."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.sinks: list[StepTimes] = []
-        self.comm_measured = False  # a comm hook reports all-reduce times
 
     def open(self) -> StepTimes:
         times = StepTimes()
@@ -150,6 +152,14 @@ class PhaseClock:
         yield
         self.add(name, time.perf_counter() - started)
 
+    def drain(self) -> None:
+        """Wait for the device's queued work (CUDA), at a point that syncs anyway.
+
+        The wait is the device finishing phases its events already time; draining first
+        keeps that time out of the host-side ``sync`` phase that follows."""
+        if self.cuda:
+            torch.cuda.synchronize()
+
     def add(self, name: str, seconds: float) -> None:
         for sink in self.sinks:
             sink.seconds[name] += seconds
@@ -162,46 +172,6 @@ class PhaseClock:
         for sink in self.sinks:
             sink.steps += 1
             sink.samples += samples
-
-    def add_comm(self, seconds: float) -> None:
-        for sink in self.sinks:
-            sink.comm += seconds
-
-
-def timed_allreduce_hook(clock: PhaseClock) -> Any:
-    """A DDP comm hook: the default all-reduce, with its time in flight added to ``clock``.
-
-    Only meaningful where the future completes when the data has arrived (gloo);
-    NCCL's futures complete on enqueue, so on GPUs communication comes from the profiler.
-    """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    clock.comm_measured = True
-
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        started = time.perf_counter()
-        fut = default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
-
-        def done(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-            clock.add_comm(time.perf_counter() - started)
-            return f.value()
-
-        return fut.then(done)
-
-    # DDP checks these annotations against the real types; postponed annotations are strings.
-    hook.__annotations__ = {
-        "bucket": torch.distributed.GradBucket,
-        "return": torch.futures.Future[torch.Tensor],
-    }
-    return hook
-
-
-def attach_comm_timer(model: torch.nn.Module, clock: PhaseClock, device: torch.device) -> None:
-    """Time DDP's gradient all-reduces where a comm hook can (gloo, on the CPU)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) and device.type == "cpu":
-        model.register_comm_hook(None, timed_allreduce_hook(clock))
 
 
 def breakdown(seconds: dict[str, float], elapsed: float) -> dict[str, float]:

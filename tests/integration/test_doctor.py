@@ -72,7 +72,6 @@ def check_outputs(home: Path, verdict: dict) -> None:
         "samples_per_s",
         "mfu",
         "mem_rss_bytes",
-        "comm_frac",
         "step_time_s",
     ):
         assert key in run.data.metrics, key

@@ -46,7 +46,7 @@ def test_quickstart_trains_and_logs_one_mlflow_run(ray_cluster: str, in_tmp: Pat
     assert run.data.tags["raylift.world_size"] == "2"
     assert run.data.tags["raylift.final_checkpoint"] == result.checkpoint
     assert run.data.params["optim.lr"] == "0.003"
-    timing = ("step_forward_frac", "step_backward_frac", "step_optimizer_frac", "comm_frac")
+    timing = ("step_forward_frac", "step_backward_frac", "step_optimizer_frac", "step_h2d_frac")
     measures = ("mfu", "mem_rss_bytes", "step_time_s", "data_wait_frac", "step_sync_frac")
     for key in ("train_loss", "val_loss", "val_acc", "samples_per_s", "lr", *timing, *measures):
         assert history(client, result.run_id, key), key

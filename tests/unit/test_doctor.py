@@ -52,7 +52,12 @@ def measured(**fracs: float) -> dict[str, float]:
             "host-sync-bound",
             "train.log_every_n_steps",
         ),
-        ({**measured(), PREFIX + "comm_frac": 0.5}, {}, "communication-bound", "train.grad_accum"),
+        (
+            {**measured(), PREFIX + "profiled_comm_frac": 0.5},
+            {},
+            "communication-bound",
+            "train.grad_accum",
+        ),
         (
             {**measured(), PREFIX + "mem_rss_bytes": 7.5e9},
             {},

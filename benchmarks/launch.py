@@ -1,0 +1,166 @@
+"""Time from command to first optimizer step, and to exit: ``raylift train`` against torchrun.
+
+    python benchmarks/launch.py [--steps 100] [--repeats 3] [--gpu]
+
+The same job on the same 2 workers over gloo: the quickstart (digits CNN, batch 32 per
+worker, bf16 autocast, AdamW) for ``--steps`` steps, run three ways, interleaved:
+
+- torchrun: ``torchrun --nproc-per-node 2 benchmarks/ddp_digits.py``, a hand-written DDP
+  script that loads the data from scikit-learn and prints the time of its first step;
+- raylift, fresh: ``raylift train configs/quickstart.yaml`` with the shards prepared
+  beforehand (``raylift prep``, not timed); it starts its own local Ray;
+- raylift, joining a running Ray: the same with ``RAY_ADDRESS`` set to a Ray head this
+  script started beforehand, as on a cluster.
+
+raylift's first step is the timestamp of the metric rank 0 logs to MLflow right after
+it (``model_state_bytes_per_rank``). raylift also evaluates at step 0 and at each epoch
+end and writes a final checkpoint; the script does none of these. Prints the median of
+each and the ratios to torchrun (goal: raylift <= 1.5x torchrun's time to first step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from machine import describe  # noqa: E402
+
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+RAYLIFT = [sys.executable, "-m", "raylift.cli"]
+
+
+def run_torchrun(steps: int, port: int, gpu: bool) -> tuple[float, float]:
+    started = time.time()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            str(REPO / "benchmarks" / "ddp_digits.py"),
+            "--steps",
+            str(steps),
+            *(["--cuda"] if gpu else []),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ended = time.time()
+    first = float(re.search(r"first_step_at (\S+)", out).group(1))  # type: ignore[union-attr]
+    return first - started, ended - started
+
+
+def run_raylift(
+    home: Path, steps: int, name: str, env: dict[str, str], gpu: bool
+) -> tuple[float, float]:
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    args = [
+        "train",
+        str(QUICKSTART),
+        f"name={name}",
+        f"storage={home / 'runs'}",
+        f"data.shards={home / 'shards'}",
+        f"tracking.uri={uri}",
+        f"train.max_steps={steps}",
+        "train.max_epochs=1000",
+        "train.early_stopping=null",
+        "checkpoint.every_n_steps=null",
+        f"scaling.use_gpu={str(gpu).lower()}",
+    ]
+    started = time.time()
+    proc = subprocess.run([*RAYLIFT, *args], capture_output=True, text=True, env=env, cwd=home)
+    ended = time.time()
+    if proc.returncode:
+        raise SystemExit(f"raylift train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    run_id = re.search(r"MLflow run (\w+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    (first,) = MlflowClient(uri).get_metric_history(run_id, "model_state_bytes_per_rank")
+    return first.timestamp / 1000 - started, ended - started
+
+
+def start_head(home: Path) -> tuple[str, object]:
+    """A local Ray head in this process, its own temp dir, as a cluster would have running."""
+    import ray
+
+    from raylift.launch import WORKER_ENV
+
+    os.environ.update(WORKER_ENV)
+    ctx = ray.init(
+        address="local",
+        num_cpus=(os.cpu_count() or 1) + 1,
+        _temp_dir=str(home / "ray"),
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        logging_level="ERROR",
+    )
+    return ctx.address_info["gcs_address"], ray
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpu", action="store_true", help="one GPU per worker, NCCL, both")
+    opts = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="rl-launch-", dir="/tmp"))  # short: Ray's sockets
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    subprocess.run(
+        [*RAYLIFT, "prep", str(QUICKSTART), f"data.shards={home / 'shards'}"],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=home,
+    )
+    times: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raylift": []}
+    for r in range(opts.repeats):
+        times["torchrun"].append(run_torchrun(opts.steps, 29600 + r, opts.gpu))
+        times["raylift"].append(run_raylift(home, opts.steps, f"fresh{r}", env, opts.gpu))
+        print(
+            f"repeat {r}: "
+            + "  ".join(f"{k} {v[-1][0]:.1f}/{v[-1][1]:.1f} s" for k, v in times.items()),
+            flush=True,
+        )
+    address, ray = start_head(home)
+    joined = {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
+    try:
+        times["raylift on a running Ray"] = [
+            run_raylift(home, opts.steps, f"joined{r}", joined, opts.gpu)
+            for r in range(opts.repeats)
+        ]
+    finally:
+        ray.shutdown()  # type: ignore[attr-defined]
+        shutil.rmtree(home, ignore_errors=True)
+    report(times, opts)
+
+
+def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace) -> None:
+    base_first = statistics.median(t[0] for t in times["torchrun"])
+    base_end = statistics.median(t[1] for t in times["torchrun"])
+    print(f"\n{describe()}; {opts.steps} steps, 2 workers, median of {opts.repeats}")
+    print(f"{'launcher':<26}{'to first step':>15}{'ratio':>8}{'to exit':>11}{'ratio':>8}")
+    for name, runs in times.items():
+        first = statistics.median(t[0] for t in runs)
+        end = statistics.median(t[1] for t in runs)
+        print(
+            f"{name:<26}{first:>13.1f} s{first / base_first:>7.2f}x"
+            f"{end:>9.1f} s{end / base_end:>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

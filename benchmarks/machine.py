@@ -1,0 +1,29 @@
+"""The machine a benchmark ran on, for its report: CPU model, cores, GPU if any."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def describe() -> str:
+    cpu = platform.processor() or platform.machine()
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        for line in info.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    parts = [f"{cpu}, {os.cpu_count()} cores"]
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            parts.append(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
+        else:
+            parts.append("no GPU")
+        parts.append(f"torch {torch.__version__}")
+    except ImportError:
+        pass
+    return "; ".join(parts)

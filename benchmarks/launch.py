@@ -70,13 +70,7 @@ def run_raylift(
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{home / 'mlflow.db'}"
-    args = [
-        "train",
-        str(QUICKSTART),
-        f"name={name}",
-        f"storage={home / 'runs'}",
-        f"data.shards={home / 'shards'}",
-        f"tracking.uri={uri}",
+    extra = [
         f"train.max_steps={steps}",
         "train.max_epochs=1000",
         "train.early_stopping=null",
@@ -84,13 +78,39 @@ def run_raylift(
         f"scaling.use_gpu={str(gpu).lower()}",
     ]
     started = time.time()
-    proc = subprocess.run([*RAYLIFT, *args], capture_output=True, text=True, env=env, cwd=home)
+    out = raylift_train(home, name, env, extra)
     ended = time.time()
-    if proc.returncode:
-        raise SystemExit(f"raylift train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    run_id = re.search(r"MLflow run (\w+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    run_id = re.search(r"MLflow run (\w+)", out).group(1)  # type: ignore[union-attr]
     (first,) = MlflowClient(uri).get_metric_history(run_id, "model_state_bytes_per_rank")
     return first.timestamp / 1000 - started, ended - started
+
+
+def raylift_train(home: Path, name: str, env: dict[str, str], extra: list[str]) -> str:
+    """``raylift train`` on the quickstart from ``home``'s shards; returns its stdout."""
+    args = [
+        "train",
+        str(QUICKSTART),
+        f"name={name}",
+        f"storage={home / 'runs'}",
+        f"data.shards={home / 'shards'}",
+        f"tracking.uri=sqlite:///{home / 'mlflow.db'}",
+        *extra,
+    ]
+    proc = subprocess.run([*RAYLIFT, *args], capture_output=True, text=True, env=env, cwd=home)
+    if proc.returncode:
+        raise SystemExit(f"raylift train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def prep_shards(home: Path, env: dict[str, str]) -> None:
+    """``raylift prep`` of the quickstart into ``home/shards`` (once per dataset, untimed)."""
+    subprocess.run(
+        [*RAYLIFT, "prep", str(QUICKSTART), f"data.shards={home / 'shards'}"],
+        check=True,
+        capture_output=True,
+        env=env,
+        cwd=home,
+    )
 
 
 def start_head(home: Path) -> tuple[str, object]:
@@ -119,13 +139,7 @@ def main() -> None:
     opts = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="rl-launch-", dir="/tmp"))  # short: Ray's sockets
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    subprocess.run(
-        [*RAYLIFT, "prep", str(QUICKSTART), f"data.shards={home / 'shards'}"],
-        check=True,
-        capture_output=True,
-        env=env,
-        cwd=home,
-    )
+    prep_shards(home, env)
     times: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raylift": []}
     for r in range(opts.repeats):
         times["torchrun"].append(run_torchrun(opts.steps, 29600 + r, opts.gpu))

@@ -24,7 +24,6 @@ import argparse
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,11 +41,9 @@ from machine import describe  # noqa: E402
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from launch import RAYLIFT, start_head  # noqa: E402
+from launch import prep_shards, raylift_train, start_head  # noqa: E402
 
 from raylift.tasks.digits import _MEAN, _STD, DigitsNet, DigitsTask  # noqa: E402
-
-QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
 def write_pngs(root: Path) -> dict[str, list[tuple[Path, int]]]:
@@ -110,20 +107,9 @@ def naive(files: dict[str, list[tuple[Path, int]]], epochs: int, target: float) 
 
 def raylift(home: Path, name: str, env: dict[str, str], overrides: list[str]) -> dict:
     started = time.perf_counter()
-    args = [
-        "train",
-        str(QUICKSTART),
-        f"name={name}",
-        f"storage={home / 'runs'}",
-        f"data.shards={home / 'shards'}",
-        f"tracking.uri=sqlite:///{home / 'mlflow.db'}",
-        *overrides,
-    ]
-    proc = subprocess.run([*RAYLIFT, *args], capture_output=True, text=True, env=env, cwd=home)
-    if proc.returncode:
-        raise SystemExit(f"raylift train failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    found = re.search(r"at step (\d+): .*val_acc ([\d.]+)", proc.stdout)
-    assert found, proc.stdout[-2000:]
+    out = raylift_train(home, name, env, overrides)
+    found = re.search(r"at step (\d+): .*val_acc ([\d.]+)", out)
+    assert found, out[-2000:]
     return {
         "seconds": time.perf_counter() - started,
         "val_acc": float(found.group(2)),
@@ -143,13 +129,7 @@ def main() -> None:
     slow = naive(files, opts.epochs, opts.target)
     print(f"naive: {slow}", flush=True)
     prep_started = time.perf_counter()
-    subprocess.run(
-        [*RAYLIFT, "prep", str(QUICKSTART), f"data.shards={home / 'shards'}"],
-        check=True,
-        capture_output=True,
-        env=env,
-        cwd=home,
-    )
+    prep_shards(home, env)
     prep = time.perf_counter() - prep_started
     fresh = raylift(home, "fresh", env, opts.overrides)
     print(f"raylift (fresh local Ray): {fresh}", flush=True)

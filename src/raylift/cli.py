@@ -71,6 +71,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_error(exc: Exception) -> int:
+    """A run that could not start (bad shards: exit 2) or that failed (exit 1)."""
+    from raylift.data.shards import ShardError
+
+    print(f"raylift: {exc}", file=sys.stderr)
+    return EXIT_BAD_INPUT if isinstance(exc, ShardError) else EXIT_FAILED
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
     from raylift.doctor import run_doctor
@@ -82,12 +90,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         result = run_doctor(cfg, args.steps)
-    except ShardError as exc:
-        print(f"raylift: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except RunFailed as exc:
-        print(f"raylift: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except (ShardError, RunFailed) as exc:
+        return _run_error(exc)
     print(result.render())
     where = result.folder or "MLflow only (remote storage)"
     print(f"raylift: trace, chart and verdict in {where} and MLflow run {result.run_id}")
@@ -189,12 +193,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     try:
         result = train(cfg)
-    except ShardError as exc:
-        print(f"raylift: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except RunFailed as exc:
-        print(f"raylift: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except (ShardError, RunFailed) as exc:
+        return _run_error(exc)
     shown = "  ".join(
         f"{k} {v:.4f}"
         for k, v in sorted(result.metrics.items())

@@ -209,6 +209,8 @@ class Trainer:
         self.precision = resolve_precision(cfg.precision)
         seed_everything(cfg.train.seed)  # identical initial weights on every rank
         model = task.build_model()
+        # Counted before wrapping: ZeRO-3 leaves its parameters empty on every rank.
+        self.flops_per_sample = flops_per_sample(task, model)
         if cfg.train.compile:
             apply_compile(model, task)
         blocks = blocks_of(task, model)
@@ -217,7 +219,6 @@ class Trainer:
         self.clock = PhaseClock(ctx.device)
         compute = self.precision.autocast_dtype or self.precision.param_dtype
         self.peak_flops, self.peak_source = peak_flops(ctx.device, compute)
-        self.flops_per_sample = flops_per_sample(task, model)
         # The first step whose loss was not finite, kept on the device: checking it costs a
         # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
         self.bad_step = torch.full((), -1.0, device=ctx.device)

@@ -218,7 +218,7 @@ class Trainer:
         self.engine.skip_nonfinite = cfg.train.on_nan == "skip"
         self.clock = PhaseClock(ctx.device)
         compute = self.precision.autocast_dtype or self.precision.param_dtype
-        self.peak_flops, self.peak_source = peak_flops(ctx.device, compute)
+        self.peak_flops, _ = peak_flops(ctx.device, compute)
         # The first step whose loss was not finite, kept on the device: checking it costs a
         # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
         self.bad_step = torch.full((), -1.0, device=ctx.device)

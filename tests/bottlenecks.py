@@ -10,6 +10,19 @@ from raylift.tasks.digits import DigitsTask
 
 Columns = dict[str, np.ndarray]
 
+# Each case: overrides of the quickstart, and the verdict raylift doctor must give.
+CASES = {
+    # The plain quickstart: small CNN, batch 32 -- fixed per-step costs weigh.
+    "plain": ([], "compute-bound"),
+    # Logging (a host sync, two collectives and an MLflow write) after every step.
+    "sync": (["train.log_every_n_steps=1"], "host-sync-bound"),
+    # A 15 ms host transform per batch and no prefetching: the step waits for it.
+    "input": (
+        ["task=tests.bottlenecks:SlowInputDigits", "data.prefetch_batches=0"],
+        "input-bound",
+    ),
+}
+
 
 class SlowInputDigits(DigitsTask):
     """Digits whose per-batch host transform takes ``delay_ms``: a stand-in for a slow

@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 
 from raylift.config import Config, config_from_dict, merge
+from raylift.context import WorkerContext
 from raylift.data.ingest import TensorSource
-from raylift.loop import Trainer, WorkerContext
+from raylift.loop import Trainer
 from raylift.tasks import build_task
 
 
@@ -118,7 +119,14 @@ def make_config(**overrides: Any) -> Config:
 
 
 def make_trainer(
-    cfg: Config, rank: int, world: int, reporter: Any, tracker: Any = None, data: dict | None = None
+    cfg: Config,
+    rank: int,
+    world: int,
+    reporter: Any,
+    tracker: Any = None,
+    data: dict | None = None,
+    device: torch.device | None = None,
+    now: Any = None,
 ) -> Trainer:
     task = build_task(cfg.task, cfg.task_args)
     data = data or tensors(task)
@@ -133,12 +141,14 @@ def make_trainer(
     ctx = WorkerContext(
         rank=rank,
         world_size=world,
-        device=torch.device("cpu"),
+        device=device or torch.device("cpu"),
         source=source,
         reporter=reporter,
         tracker=tracker or ListTracker(),
         log=lambda s: None,
     )
+    if now is not None:
+        ctx.now = now
     return Trainer(cfg, task, ctx)
 
 

@@ -14,15 +14,18 @@ before anything is loaded, and the resume falls back to the previous complete on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from raylift.context import WorkerContext
 from raylift.strategies.base import Engine
 
 FORMAT = 1
@@ -199,3 +202,67 @@ def load_checkpoint(directory: Path, engine: Engine, rank: int, strategy: str) -
     if rng_path.is_file():
         set_rng_state(torch.load(rng_path, weights_only=True))
     return state
+
+
+# ---------------------------------------------------------------- the loop's side
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the loop is: saved in every checkpoint, restored on every restart."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank ran in `epoch` (accumulation phase)
+    epoch_rows: int = 0  # rows of `epoch`'s global order consumed by all ranks: the data position
+    samples: int = 0  # global samples trained on
+    best: float | None = None  # early stopping
+    bad_evals: int = 0
+    stopped_early: bool = False
+    last_ckpt_step: int = -1
+    restarts: int = 0  # resumes from a checkpoint: failures, resizes, reruns
+    nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
+
+
+class Checkpointer:
+    """Writes a worker's checkpoints through its reporter and reads them back."""
+
+    def __init__(self, engine: Engine, ctx: WorkerContext, strategy: str):
+        self.engine, self.ctx, self.strategy = engine, ctx, strategy
+        self.preempt_saved = False
+
+    def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
+        """Collective: every rank writes its part, then reports it (Ray merges the parts)."""
+        with tempfile.TemporaryDirectory(prefix="raylift-ckpt-") as tmp:
+            save_checkpoint(Path(tmp), self.engine, loop_state, self.ctx.rank)
+            name = f"checkpoint-step{step:08d}"
+            self.ctx.reporter.report({**metrics, "step": float(step)}, Path(tmp), name)
+
+    def restore(self, directory: Path) -> dict[str, Any]:
+        """Load the engine and this rank's RNG; the loop state saved with them."""
+        return load_checkpoint(directory, self.engine, self.ctx.rank, self.strategy)
+
+    def record_restart(self, directory: Path, state: LoopState, saved_world: int) -> None:
+        """One ``restarts`` metric and one tag per resume, and a line that says from where."""
+        now = self.ctx.world_size
+        self.ctx.tracker.log_metrics({"restarts": float(state.restarts)}, state.step)
+        self.ctx.tracker.set_tags(
+            {
+                f"raylift.restart.{state.restarts}": (
+                    f"step {state.step} from {directory.name}: {saved_world} -> {now} workers"
+                )
+            }
+        )
+        self.ctx.log(
+            f"resumed from {directory} at step {state.step} "
+            f"(epoch {state.epoch}, row {state.epoch_rows} of its order; "
+            f"{saved_world} -> {now} workers, restart {state.restarts})"
+        )
+
+    def preemption_notice(self, state: LoopState) -> bool:
+        """True once, when a node is about to go (a spot reclaim) and the step is unsaved:
+        saving now beats losing the interval. A collective on Ray: every rank asks."""
+        if self.preempt_saved or not self.ctx.reporter.preempting():
+            return False
+        self.preempt_saved = True
+        return state.step != state.last_ckpt_step

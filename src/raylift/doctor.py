@@ -8,7 +8,8 @@ for three windows of ``steps`` optimizer steps each:
 3. profiled: ``torch.profiler`` on rank 0, for the Chrome trace, host syncs per
    step and time in collectives.
 
-The driver turns what the workers measured into a verdict (:func:`diagnose`), a
+The windows are measured on the workers by :class:`~raylift.probe.DoctorProbe`.
+The driver turns what they measured into a verdict (:func:`diagnose`), a
 PNG chart of the step-time breakdown and a ranked list of config changes, and logs
 all three, with the trace, to the run's MLflow run and its folder.
 """
@@ -23,15 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.autograd import DeviceType
-
 from raylift.config import Config
-from raylift.metrics import PHASES, StepTimes, dtype_key, peak_flops
+from raylift.metrics import PHASES
+from raylift.probe import PREFIX, ProbeSettings
 
-PREFIX = "doctor_"
 Metrics = dict[str, float]
-SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
 VERDICTS = (
     "input-bound",
     "host-sync-bound",
@@ -40,104 +37,6 @@ VERDICTS = (
     "cpu-bound",
     "compute-bound",
 )
-
-
-# ---------------------------------------------------------------- worker side
-
-
-class DoctorProbe:
-    """Rides along in the training loop (``WorkerContext.probe``) and measures two windows."""
-
-    def __init__(self, steps: int, out_dir: str | None):
-        self.steps, self.out_dir = steps, out_dir
-        self.window: StepTimes | None = None
-        self.profiler: Any = None
-
-    def after_step(self, trainer: Any) -> None:
-        step = trainer.state.step
-        if step == self.steps:
-            self.window = trainer.clock.open()
-        elif step == 2 * self.steps and self.window is not None:
-            self._measured(trainer, self.window)
-            self.window = trainer.clock.open()
-            self._start_profiler(trainer)
-        elif step == 3 * self.steps and self.window is not None:
-            self._profiled(trainer, self.window)
-            self.window = None
-
-    def _measured(self, trainer: Any, window: StepTimes) -> None:
-        trainer.clock.close(window)
-        _, metrics, _ = trainer.reduce_times(window, [], [])
-        metrics.update(self._context(trainer))
-        trainer.sticky.update({PREFIX + k: v for k, v in metrics.items()})
-
-    def _context(self, trainer: Any) -> dict[str, float]:
-        """What the verdict needs beyond the timings: peaks per dtype, memory limits."""
-        import psutil
-
-        device = trainer.ctx.device
-        out = {"world_size": float(trainer.ctx.world_size), "steps": float(self.steps)}
-        for dtype in (torch.float32, torch.bfloat16):
-            peak, _ = peak_flops(device, dtype)
-            out[f"peak_{dtype_key(dtype)}_flops"] = peak or math.nan
-        out["host_mem_bytes"] = float(psutil.virtual_memory().total)
-        out["cuda"] = float(device.type == "cuda")
-        return out
-
-    def _start_profiler(self, trainer: Any) -> None:
-        if trainer.ctx.rank != 0:
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if trainer.ctx.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self.profiler = profile(activities=activities)
-        self.profiler.start()
-
-    def _profiled(self, trainer: Any, window: StepTimes) -> None:
-        trainer.clock.close(window)
-        if self.profiler is None:
-            return
-        self.profiler.stop()
-        stats = trace_stats(self.profiler, self.steps, window.elapsed())
-        trainer.sticky.update({PREFIX + k: v for k, v in stats.items()})
-        folder = Path(self.out_dir) if self.out_dir else Path(tempfile.mkdtemp("raylift-doctor"))
-        folder.mkdir(parents=True, exist_ok=True)
-        trace = folder / "trace-rank0.json"
-        self.profiler.export_chrome_trace(str(trace))
-        trainer.ctx.tracker.log_artifact(trace, "doctor")
-        self.profiler = None
-
-
-def trace_stats(profiler: Any, steps: int, elapsed: float) -> dict[str, float]:
-    """Host syncs per step and the share of time in collectives, from a profile of ``steps``.
-
-    Syncs are ``.item()``-style reads and stream synchronisations, counted at their
-    outermost call; the optimizer's own step counters (CPU tensors) are not syncs.
-    Collective time is gloo's ops on the host, NCCL's kernels on the device."""
-    syncs, comm_us = 0, 0.0
-    for event in profiler.events():
-        name = event.name
-        if name in SYNC_OPS and not _inside(event, SYNC_OPS, "Optimizer.step"):
-            syncs += 1
-        elif name.startswith("gloo:") and not _inside(event, (), "gloo:"):
-            comm_us += event.cpu_time_total
-        elif "nccl" in name.lower() and event.device_type == DeviceType.CUDA:
-            comm_us += float(event.self_device_time_total)
-    return {
-        "syncs_per_step": syncs / max(steps, 1),
-        "profiled_comm_frac": min(comm_us / 1e6 / max(elapsed, 1e-9), 1.0),
-    }
-
-
-def _inside(event: Any, names: tuple[str, ...], prefix: str) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name in names or parent.name.startswith(prefix):
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 # ---------------------------------------------------------------- the verdict
@@ -488,7 +387,8 @@ def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
     run = doctor_config(cfg, steps)
     storage = launch.resolve_storage(run.storage)
     folder = None if "://" in storage else Path(storage) / run.name / "doctor"
-    result = launch.train(run, log, probe={"steps": steps, "out_dir": str(folder or "")})
+    probe = ProbeSettings(steps, str(folder) if folder else None)
+    result = launch.train(run, log, probe=probe)
     if PREFIX + "samples_per_s" not in result.metrics:
         raise RuntimeError(
             f"the doctor run {run.name!r} ended before its measured window (steps "

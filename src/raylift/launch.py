@@ -1,4 +1,9 @@
-"""Config -> Ray Train ``TorchTrainer`` -> fit. The driver side of ``raylift train``."""
+"""Config -> Ray Train ``TorchTrainer`` -> fit. The driver side of ``raylift train``.
+
+What is the same for every rank is settled here, once: the shards are checked (or
+prepared), ``strategy: auto`` is resolved, the MLflow run is opened. The workers get
+it all in one :class:`~raylift.worker.RunSpec`.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raylift import tracking
-from raylift.config import Config, config_from_dict
+from raylift import storage, tracking
+from raylift.config import Config
+from raylift.probe import ProbeSettings
 from raylift.tasks import BUILTINS
+from raylift.worker import SPEC_KEY, RunSpec, worker_main
 
 # Environment every Ray process of a raylift run gets.
 WORKER_ENV = {
@@ -44,13 +51,6 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------- driver
-
-
-def resolve_storage(storage: str) -> str:
-    """Ray wants an absolute path for local storage; URIs (s3://, gs://) pass through."""
-    if "://" in storage:
-        return storage
-    return str(Path(storage).expanduser().resolve())
 
 
 def local_num_cpus(cfg: Config, workers: int | None = None) -> int:
@@ -120,16 +120,14 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     )
 
 
-def run_exists(storage: str, name: str) -> bool:
+def run_exists(where: str, name: str) -> bool:
     """True when a previous run under this name left checkpoints to resume from."""
-    if "://" in storage:
+    if storage.is_remote(where):
         return False  # remote storage: Ray Train decides, MLflow starts a fresh run
-    return any((Path(storage) / name).glob("checkpoint-step*"))
+    return any((Path(where) / name).glob("checkpoint-step*"))
 
 
-def build_trainer(
-    cfg: Config, storage: str, payload: dict[str, Any], callbacks: Sequence[Any] = ()
-) -> Any:
+def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()) -> Any:
     from ray.train import (
         CheckpointConfig,
         FailureConfig,
@@ -148,7 +146,7 @@ def build_trainer(
     )
     return TorchTrainer(
         worker_main,
-        train_loop_config=payload,
+        train_loop_config={SPEC_KEY: spec},
         torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
         # ray.train's static types are Train V1's; these are Train V2's arguments.
         scaling_config=ScalingConfig(
@@ -159,7 +157,7 @@ def build_trainer(
         ),
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
-            storage_path=storage,
+            storage_path=where,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             worker_runtime_env={"env_vars": dict(WORKER_ENV)},
@@ -175,71 +173,120 @@ def train(
     parent_run_id: str | None = None,
     callbacks: Sequence[Any] = (),
     extra_tags: dict[str, str] | None = None,
-    probe: dict[str, Any] | None = None,
+    probe: ProbeSettings | None = None,
 ) -> TrainResult:
     """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
 
     A sweep's trial passes its parent MLflow run and Tune's report callback;
-    ``raylift doctor`` passes the arguments of its :class:`~raylift.doctor.DoctorProbe`.
+    ``raylift doctor`` passes the settings of its probe.
     """
-    from raylift.data.shards import cache_in_object_store, shards_for_run
-    from raylift.tasks import build_task
-
     started = time.perf_counter()
     logging.getLogger("mlflow").setLevel(logging.WARNING)
-    storage = resolve_storage(cfg.storage)
-    resume = run_exists(storage, cfg.name)
+    where = storage.resolve(cfg.storage)
+    resume = run_exists(where, cfg.name)
     uri = tracking.tracking_uri(cfg)
     log(
-        f"raylift: run {cfg.name!r} -> {storage}/{cfg.name}  "
+        f"raylift: run {cfg.name!r} -> {storage.join(where, cfg.name)}  "
         f"({'resuming from its latest checkpoint' if resume else 'new run'})"
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
+    shards, cache = prepare_data(cfg, log)
+    cfg = resolve_strategy(cfg, log)
+    tags = dict(extra_tags or {})
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_id = tracking.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
+    spec = RunSpec(cfg, shards, run_id, uri, cache, probe)
+    result = fit(build_trainer(cfg, where, spec, callbacks), spec)
+    ckpt = result.checkpoint.path if result.checkpoint else None
+    metrics = {
+        k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
+    }
+    final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
+    if "nonfinite_step" in metrics:
+        tracking.end_run(uri, run_id, "FAILED", final)
+        raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
+    tracking.end_run(uri, run_id, "FINISHED", final)
+    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
+
+
+def prepare_data(cfg: Config, log: Any = print) -> tuple[str, dict[str, list[Any]] | None]:
+    """The shards' root, checked (or prepared) before any worker starts, so a bad folder
+    costs nothing; and their object-store refs where ``data.cache`` asks for them."""
+    from raylift.data.shards import cache_in_object_store, shards_for_run
+    from raylift.tasks import build_task
+
     task = build_task(cfg.task, cfg.task_args)
-    # Shards are checked (or prepared) before any worker starts: a bad folder costs nothing.
     manifest = shards_for_run(cfg, task, log, connect=lambda: connect_ray(cfg))
     connect_ray(cfg)
     cache = cache_in_object_store(manifest, log) if cfg.data.cache else None
     counts = {s: manifest.rows(s) for s in manifest.splits}
     log(
         f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} "
-        f"worker(s), strategy {cfg.strategy.name}, precision {cfg.precision}"
+        f"worker(s), precision {cfg.precision}"
     )
-    tags = dict(extra_tags or {})
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    run_id = tracking.start_run(cfg, storage, resume, cfg.scaling.min_workers, tags)
-    payload = {
-        "config": cfg.to_dict(),
-        "shards": manifest.root,
-        "cache": cache,
-        "run_id": run_id,
-        "tracking_uri": uri,
-        "probe": probe,
-    }
-    status, tags = "FAILED", {}
+    return manifest.root, cache
+
+
+def fit(trainer: Any, spec: RunSpec) -> Any:
+    """``trainer.fit()``; the MLflow run is closed as failed or killed if it does not finish."""
+    status = "FAILED"
     try:
-        result = build_trainer(cfg, storage, payload, callbacks).fit()
+        result = trainer.fit()
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"
         raise
     except Exception as exc:
-        raise RunFailed(_failure_message(exc, cfg)) from exc
+        raise RunFailed(_failure_message(exc, spec.config)) from exc
     finally:
         if status != "FINISHED":
-            tracking.end_run(uri, run_id, status)
-    ckpt = result.checkpoint.path if result.checkpoint else None
-    if ckpt:
-        tags["raylift.final_checkpoint"] = ckpt
-    metrics = {
-        k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
-    }
-    if "nonfinite_step" in metrics:
-        tracking.end_run(uri, run_id, "FAILED", tags)
-        raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
-    tracking.end_run(uri, run_id, status, tags)
-    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
+            tracking.end_run(spec.tracking_uri, spec.run_id, status)
+    return result
+
+
+# ---------------------------------------------------------------- strategy: auto
+
+
+def resolve_strategy(cfg: Config, log: Any = print, memory: int | None = None) -> Config:
+    """``cfg`` with ``strategy: auto`` replaced by what it resolves to, once for the run.
+
+    Planned at the smallest world size the run may have, so the choice fits at every
+    size an elastic run passes through. ``memory`` is one worker's (measured on a
+    worker-shaped slot of the cluster when not given)."""
+    from raylift.plan import resolve_auto
+
+    if cfg.strategy.name != "auto":
+        log(f"raylift: strategy {cfg.strategy.name}")
+        return cfg
+    world = cfg.scaling.min_workers
+    memory = worker_memory(cfg) if memory is None else memory
+    strategy = resolve_auto(cfg, world, memory)
+    log(f"raylift: strategy auto -> {strategy} ({memory / 2**30:.1f} GiB per worker)")
+    return dataclasses.replace(cfg, strategy=strategy)
+
+
+def worker_memory(cfg: Config) -> int:
+    """Memory one worker may use: its GPU's, or its share of its node's host memory."""
+    import ray
+
+    sc = cfg.scaling
+    probe = ray.remote(_worker_memory).options(num_cpus=0.01, num_gpus=1 if sc.use_gpu else 0)
+    return int(ray.get(probe.remote(sc.use_gpu, sc.min_workers, sc.cpus_per_worker)))
+
+
+def _worker_memory(use_gpu: bool, world: int, cpus_per_worker: float) -> int:
+    import psutil
+    import ray
+
+    if use_gpu:
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    here = ray.get_runtime_context().get_node_id()
+    cpus = next(n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == here)
+    per_node = max(1, min(world, int(cpus // cpus_per_worker)))  # CPU workers share the host
+    return int(psutil.virtual_memory().total // per_node)
 
 
 def _nonfinite_message(cfg: Config, metrics: dict[str, float], ckpt: str | None) -> str:
@@ -262,118 +309,3 @@ def _failure_message(exc: BaseException, cfg: Config) -> str:
         f"  the full worker traceback is above; fix the cause and rerun the same command "
         f"to resume from the latest checkpoint"
     )
-
-
-# ---------------------------------------------------------------- workers
-
-
-def worker_main(payload: dict[str, Any]) -> None:
-    """Entry point of every Ray Train worker."""
-    import ray.train
-    import ray.train.torch
-
-    from raylift.checkpoint import newest_complete, resume_point
-    from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
-    from raylift.data.shards import read_manifest
-    from raylift.loop import NullTracker, Trainer, WorkerContext
-    from raylift.tasks import build_task
-
-    cfg = config_from_dict(payload["config"])
-    # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
-    logging.getLogger().setLevel(logging.WARNING)
-    rt = ray.train.get_context()
-    rank, world = rt.get_world_rank(), rt.get_world_size()
-    device = ray.train.torch.get_device()
-    if cfg.strategy.name == "auto":
-        cfg.strategy = _resolve_auto(cfg, world, device, rt.get_local_world_size())
-        _print0(rank)(f"strategy auto -> {cfg.strategy}")
-    manifest = read_manifest(payload["shards"])
-    if manifest is None:
-        raise RuntimeError(f"the shards at {payload['shards']} vanished after the run started")
-    store = (
-        ObjectStoreStore(manifest, payload["cache"]) if payload["cache"] else ParquetStore(manifest)
-    )
-    d = cfg.data
-    task = build_task(cfg.task, cfg.task_args)
-    source = ShardSource(
-        store,
-        rank,
-        world,
-        batch_size=d.batch_size,
-        eval_batch_size=d.eval_batch_size or d.batch_size,
-        seed=cfg.train.seed,
-        prefetch_batches=d.prefetch_batches,
-        pin_memory=device.type == "cuda",
-        shuffle=d.shuffle,
-        transform=getattr(task, "transform", None),
-    )
-    tracker = (
-        tracking.MlflowTracker(payload["tracking_uri"], payload["run_id"])
-        if rank == 0
-        else NullTracker()
-    )
-    ctx = WorkerContext(
-        rank=rank,
-        world_size=world,
-        device=device,
-        source=source,
-        reporter=RayReporter(),
-        tracker=tracker,
-        log=_print0(rank),
-        probe=_probe(payload.get("probe")),
-    )
-    trainer = Trainer(cfg, task, ctx)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            trainer.restore(resume_point(Path(directory), ctx.log))
-    elif "://" not in cfg.storage:
-        # A worker killed right after a checkpoint's report, before Ray's controller
-        # registered it, leaves that checkpoint on disk only: resume from it all the same.
-        found = newest_complete(Path(resolve_storage(cfg.storage)) / cfg.name, ctx.log)
-        if found is not None:
-            trainer.restore(found)
-    trainer.run()
-
-
-def _probe(args: dict[str, Any] | None) -> Any:
-    if not args:
-        return None
-    from raylift.doctor import DoctorProbe
-
-    return DoctorProbe(int(args["steps"]), args.get("out_dir") or None)
-
-
-def _resolve_auto(cfg: Config, world: int, device: Any, local_world: int) -> Any:
-    """Every rank plans from the same numbers (its device's memory), so all choose alike."""
-    import psutil
-    import torch
-
-    from raylift.plan import resolve_auto
-
-    if device.type == "cuda":
-        memory = torch.cuda.get_device_properties(device).total_memory
-    else:  # CPU workers share the host's memory
-        memory = psutil.virtual_memory().total // max(local_world, 1)
-    return resolve_auto(cfg, world, memory)
-
-
-class RayReporter:
-    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
-        import ray.train
-
-        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
-
-    def preempting(self) -> bool:
-        import ray.train
-
-        return ray.train.get_preemption_info() is not None
-
-
-def _print0(rank: int) -> Any:
-    def log(line: str) -> None:
-        if rank == 0:
-            print(line, flush=True)
-
-    return log

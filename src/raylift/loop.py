@@ -2,8 +2,10 @@
 
 It runs the same way under Ray Train and in a plain process group: everything
 environment-specific (where batches come from, where checkpoints and metrics go)
-arrives through :class:`WorkerContext`. The loop never calls ``.item()`` per step:
-losses accumulate on the device and are synced once per logging interval.
+arrives through :class:`~raylift.context.WorkerContext`. The loop never calls
+``.item()`` per step: losses accumulate on the device and are synced once per
+logging interval (:mod:`raylift.progress`); saving and restoring is
+:class:`~raylift.checkpoint.Checkpointer`'s.
 """
 
 from __future__ import annotations
@@ -11,68 +13,35 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from raylift.checkpoint import load_checkpoint, save_checkpoint
+from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig
-from raylift.data.ingest import BatchSource, to_device
-from raylift.metrics import (
-    PHASES,
-    PhaseClock,
-    StepTimes,
-    breakdown,
-    memory_now,
-    mfu,
-    peak_flops,
-)
+from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
+from raylift.data.ingest import to_device
+from raylift.metrics import PhaseClock, StepTimes, all_reduce_max, all_reduce_sum, peak_flops
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
+from raylift.progress import Interval, IntervalMeter, Rates, console_line
 from raylift.strategies import Engine, build_engine
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 
-
-class Reporter(Protocol):
-    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
-        """Called by every rank at the same points (Ray's report is a barrier)."""
-        ...
-
-    def preempting(self) -> bool:
-        """True once a node of this run has been told it will be taken away.
-
-        Called by every rank at the same points (on Ray it is a barrier)."""
-        ...
-
-
-class Tracker(Protocol):
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
-
-    def set_tags(self, tags: dict[str, str]) -> None: ...
-
-    def log_artifact(self, path: Path, folder: str) -> None: ...
-
-
-class NullTracker:
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        pass
-
-    def log_artifact(self, path: Path, folder: str) -> None:
-        pass
-
-
-class Probe(Protocol):
-    """Watches the run from outside the loop (``raylift doctor``'s profiled window)."""
-
-    def after_step(self, trainer: Trainer) -> None: ...
+__all__ = [
+    "LoopState",
+    "NonFiniteLoss",
+    "NullTracker",
+    "Reporter",
+    "Tracker",
+    "Trainer",
+    "WorkerContext",
+    "early_stop_update",
+    "elastic_accum",
+    "seed_everything",
+]
 
 
 class NonFiniteLoss(RuntimeError):
@@ -83,66 +52,9 @@ class NonFiniteLoss(RuntimeError):
         self.step = step
 
 
-@dataclasses.dataclass
-class WorkerContext:
-    rank: int
-    world_size: int
-    device: torch.device
-    source: BatchSource
-    reporter: Reporter
-    tracker: Tracker = dataclasses.field(default_factory=NullTracker)
-    log: Callable[[str], None] = print
-    probe: Probe | None = None
-
-
-@dataclasses.dataclass
-class LoopState:
-    step: int = 0  # optimizer steps taken
-    epoch: int = 0
-    batch_in_epoch: int = 0  # micro-batches this rank ran in `epoch` (accumulation phase)
-    epoch_rows: int = 0  # rows of `epoch`'s global order consumed by all ranks: the data position
-    samples: int = 0  # global samples trained on
-    best: float | None = None  # early stopping
-    bad_evals: int = 0
-    stopped_early: bool = False
-    last_ckpt_step: int = -1
-    restarts: int = 0  # resumes from a checkpoint: failures, resizes, reruns
-    nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
-
-
-@dataclasses.dataclass
-class Interval:
-    """Device-side running sums for one logging interval, and its phase times."""
-
-    loss_sum: torch.Tensor  # finite losses only: a skipped step does not poison the mean
-    finite: torch.Tensor  # micro-batches whose loss was finite
-    times: StepTimes
-    micro_batches: int = 0
-
-    @classmethod
-    def fresh(cls, device: torch.device, clock: PhaseClock) -> Interval:
-        zero = torch.zeros((), device=device, dtype=torch.float32)
-        return cls(zero, zero.clone(), clock.open())
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-
-
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
-    """The largest of each value over ranks: the slowest worker sets the pace."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [float(v) for v in t.tolist()]
 
 
 def early_stop_update(
@@ -207,46 +119,67 @@ class Trainer:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum))
         self.cfg, self.task, self.ctx = cfg, task, ctx
         self.precision = resolve_precision(cfg.precision)
-        seed_everything(cfg.train.seed)  # identical initial weights on every rank
-        model = task.build_model()
-        # Counted before wrapping: ZeRO-3 leaves its parameters empty on every rank.
-        self.flops_per_sample = flops_per_sample(task, model)
-        if cfg.train.compile:
-            apply_compile(model, task)
-        blocks = blocks_of(task, model)
-        self.engine: Engine = build_engine(model, cfg, self.precision, ctx.device, blocks)
-        self.engine.skip_nonfinite = cfg.train.on_nan == "skip"
-        self.clock = PhaseClock(ctx.device)
-        compute = self.precision.autocast_dtype or self.precision.param_dtype
-        self.peak_flops, _ = peak_flops(ctx.device, compute)
+        self.accum = accum
+        self.clock = PhaseClock(ctx.device, ctx.now)
+        self.engine, fps = self._build_engine()
+        self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name)
+        # Before the reseed below: measuring a CPU's peak draws random matrices.
+        peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
         # The first step whose loss was not finite, kept on the device: checking it costs a
         # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
         self.bad_step = torch.full((), -1.0, device=ctx.device)
-        self.preempt_saved = False
         seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
-        self.accum = cfg.train.grad_accum
-        self.micro_per_epoch = ctx.source.micro_batches_per_epoch()
-        if self.micro_per_epoch < self.accum:
-            raise ValueError(
-                f"data.batch_size x train.grad_accum ({cfg.data.batch_size} x {self.accum}) needs "
-                f"more rows per worker than one epoch has ({self.micro_per_epoch} batches); "
-                "lower data.batch_size or train.grad_accum, or use fewer workers"
-            )
-        self.steps_per_epoch = self.micro_per_epoch // self.accum
+        self.steps_per_epoch = self._micro_per_epoch() // accum
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optim, self.total_steps)
-        self.global_batch = cfg.data.batch_size * self.accum * ctx.world_size
-        self.tokens_per_sample = tokens_per_sample(task)
+        self.global_batch = cfg.data.batch_size * accum * ctx.world_size
+        rates = Rates(self.global_batch, fps, tokens_per_sample(task), peak)
+        self.meter = IntervalMeter(ctx, self.clock, rates)
         self.state = LoopState()
         self.last_metrics: dict[str, float] = {}
-        self.interval = Interval.fresh(ctx.device, self.clock)
-        self.memory_logged = False
-        self.memory: dict[str, float] = {}
-        self.sticky: dict[str, float] = {}  # carried in every later report (doctor's findings)
+        self.sticky: dict[str, float] = {}  # carried in every later report (a probe's findings)
+        self.view = StepView(
+            ctx.rank,
+            ctx.world_size,
+            ctx.device,
+            self.clock,
+            self._reduce_window,
+            self.sticky.update,
+            ctx.tracker,
+        )
+
+    def _build_engine(self) -> tuple[Engine, float]:
+        """The wrapped model, and its training FLOPs per sample (for MFU)."""
+        cfg = self.cfg
+        seed_everything(cfg.train.seed)  # identical initial weights on every rank
+        model = self.task.build_model()
+        # Counted before wrapping: ZeRO-3 leaves its parameters empty on every rank.
+        fps = flops_per_sample(self.task, model)
+        if cfg.train.compile:
+            apply_compile(model, self.task)
+        blocks = blocks_of(self.task, model)
+        engine = build_engine(model, cfg, self.precision, self.ctx.device, blocks)
+        engine.skip_nonfinite = cfg.train.on_nan == "skip"
+        return engine, fps
+
+    def _micro_per_epoch(self) -> int:
+        micro = self.ctx.source.micro_batches_per_epoch()
+        if micro < self.accum:
+            raise ValueError(
+                f"data.batch_size x train.grad_accum ({self.cfg.data.batch_size} x {self.accum}) "
+                f"needs more rows per worker than one epoch has ({micro} batches); "
+                "lower data.batch_size or train.grad_accum, or use fewer workers"
+            )
+        return micro
 
     def _total_steps(self) -> int:
         by_epochs = self.cfg.train.max_epochs * self.steps_per_epoch
         return min(by_epochs, self.cfg.train.max_steps or by_epochs)
+
+    @property
+    def memory(self) -> dict[str, float]:
+        """Model-state bytes this rank held after its first step."""
+        return self.meter.memory
 
     # ------------------------------------------------------------ state
 
@@ -262,24 +195,13 @@ class Trainer:
         }
 
     def restore(self, directory: Path) -> None:
-        saved = load_checkpoint(directory, self.engine, self.ctx.rank, self.cfg.strategy.name)
+        saved = self.checkpointer.restore(directory)
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
         self.state.restarts += 1
-        before, now = saved.get("world_size", self.ctx.world_size), self.ctx.world_size
-        self.ctx.tracker.log_metrics({"restarts": float(self.state.restarts)}, self.state.step)
-        self.ctx.tracker.set_tags(
-            {
-                f"raylift.restart.{self.state.restarts}": (
-                    f"step {self.state.step} from {directory.name}: {before} -> {now} workers"
-                )
-            }
-        )
-        self.ctx.log(
-            f"resumed from {directory} at step {self.state.step} "
-            f"(epoch {self.state.epoch}, row {self.state.epoch_rows} of its order; "
-            f"{before} -> {now} workers, restart {self.state.restarts})"
+        self.checkpointer.record_restart(
+            directory, self.state, saved.get("world_size", self.ctx.world_size)
         )
         if self._finished():
             self.ctx.log(
@@ -325,7 +247,6 @@ class Trainer:
         self.bad_step.fill_(-1.0)  # skip: the engine left the weights alone and counted it
 
     def _run(self) -> dict[str, float]:
-        train_cfg = self.cfg.train
         self.engine.model.train()
         if self.state.step == 0:
             self._evaluate_and_report()  # the untrained baseline, so every curve has a start
@@ -340,9 +261,9 @@ class Trainer:
         if self.state.step > self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
         if self.state.stopped_early:
+            es = self.cfg.train.early_stopping
             self.ctx.log(
-                f"early stopping at step {self.state.step}: "
-                f"{train_cfg.early_stopping.monitor if train_cfg.early_stopping else ''}"
+                f"early stopping at step {self.state.step}: {es.monitor if es else ''}"
                 f" did not improve for {self.state.bad_evals} evaluations"
             )
         return self.last_metrics
@@ -360,14 +281,14 @@ class Trainer:
         Time blocked on the source is added to the interval's ``data_wait``: a host-side
         clock, no device sync.
         """
-        source = self.ctx.source
+        source, now = self.ctx.source, self.clock.now
         usable = source.remaining_micro_batches(self.state.epoch_rows) // self.accum * self.accum
         batches = source.train_batches(self.state.epoch, self.state.epoch_rows)
         try:
             for _ in range(usable):
-                waited = time.perf_counter()
+                waited = now()
                 batch = next(batches, None)
-                self.clock.add("data_wait", time.perf_counter() - waited)
+                self.clock.add("data_wait", now() - waited)
                 if batch is None:
                     return
                 yield batch
@@ -396,14 +317,10 @@ class Trainer:
                 loss = self.task.loss(self.engine.model, batch)
             with phase("backward"):
                 self.engine.backward(loss / self.accum)
-        value = loss.detach().float()
-        finite = torch.isfinite(value)
-        self.interval.loss_sum += torch.where(finite, value, 0.0)
-        self.interval.finite += finite
+        finite = self.meter.current.add(loss)
         # A Python scalar, not a new tensor: no host-to-device copy per micro-step.
         first = float(self.state.step + 1)
         self.bad_step = torch.where(finite | (self.bad_step >= 0), self.bad_step, first)
-        self.interval.micro_batches += 1
         self.state.batch_in_epoch += 1
         self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
 
@@ -415,60 +332,35 @@ class Trainer:
         self.state.samples += self.global_batch
         self.clock.count_step(self.global_batch)
         step, train_cfg = self.state.step, self.cfg.train
-        if not self.memory_logged:
-            self._log_memory()
+        if not self.meter.memory:
+            self.meter.log_model_state(self.engine, step)
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
-            # The next interval opens before this log, so it carries this log's sync time:
-            # each interval then holds exactly one logging sync, as in steady state.
-            ending = self.interval
-            self.clock.close(ending.times)
-            self.clock.drain()
-            self.interval = Interval.fresh(self.ctx.device, self.clock)
-            with self.clock.phase("sync"):
-                self._log_interval(ending)
-                notice = self._preemption_notice()
-            if notice:
-                self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
-                self.checkpoint(self.last_metrics)
+            self._end_interval()
         if self.ctx.probe is not None:
-            self.ctx.probe.after_step(self)
+            self.view.step = step
+            self.ctx.probe.after_step(self.view)
         if train_cfg.eval_every_n_steps and step % train_cfg.eval_every_n_steps == 0:
             self._evaluate_and_report()
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
 
-    def _preemption_notice(self) -> bool:
-        """True once, when a node is about to go (a spot reclaim) and the step is unsaved:
-        saving now beats losing the interval."""
-        if self.preempt_saved or not self.ctx.reporter.preempting():
-            return False
-        self.preempt_saved = True
-        return self.state.step != self.state.last_ckpt_step
+    def _end_interval(self) -> None:
+        ending = self.meter.rotate()
+        with self.clock.phase("sync"):
+            self._log_interval(ending)
+            notice = self.checkpointer.preemption_notice(self.state)
+        if notice:
+            self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
+            self.checkpoint(self.last_metrics)
 
     # ------------------------------------------------------------ metrics
-
-    def _log_memory(self) -> None:
-        """Model-state bytes this rank holds, counted from the tensors after the first step."""
-        held = self.engine.model_state_bytes()
-        metrics = {f"model_state_{k}_bytes": float(v) for k, v in held.items()}
-        metrics["model_state_bytes_per_rank"] = float(sum(held.values()))
-        if self.ctx.device.type == "cuda":
-            metrics["cuda_peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
-        self.ctx.tracker.log_metrics(metrics, self.state.step)
-        self.memory = metrics
-        self.memory_logged = True
-        mib = metrics["model_state_bytes_per_rank"] / 2**20
-        self.ctx.log(
-            f"model state held by rank 0: {mib:.2f} MiB "
-            + " ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
-        )
 
     def _log_interval(self, interval: Interval) -> None:
         if interval.micro_batches == 0:
             return
-        # The host syncs of the interval: one sum and one max over ranks.
-        (loss_sum, count), timing, worst = self.reduce_times(
+        # The interval's host syncs: one sum and one max over ranks, the NaN check riding along.
+        (loss_sum, count), timing, worst = self.meter.reduce(
             interval.times, [interval.loss_sum, interval.finite], [float(self.bad_step)]
         )
         self._check_finite(worst[0])
@@ -483,50 +375,11 @@ class Trainer:
         if self.cfg.train.on_nan == "skip":
             metrics["skipped_steps"] = float(self.engine.skipped_steps)
         self.ctx.tracker.log_metrics(metrics, self.state.step)
-        self._print_line(metrics)
+        self.ctx.log(console_line(metrics, self.state.epoch, self.state.step, self.total_steps))
 
-    def reduce_times(
-        self, times: StepTimes, sums: list[torch.Tensor], maxes: list[float]
-    ) -> tuple[list[float], dict[str, float], list[float]]:
-        """Step-time breakdown, throughput, MFU and memory of ``times`` over all ranks.
-
-        ``sums`` and ``maxes`` ride along in the same two collectives; their reduced
-        values come back first and last. Phase times are averaged over ranks; the data
-        wait and memory are the worst rank's."""
-        seconds, elapsed = times.resolve(), times.elapsed()
-        local = [seconds[p] for p in PHASES] + [elapsed]
-        device = self.ctx.device
-        head = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64)
-        packed = torch.cat(
-            [head.to(device), torch.tensor(local, dtype=torch.float64, device=device)]
-        )
-        total = all_reduce_sum(packed).tolist()
-        memory = memory_now(device)
-        worst = all_reduce_max([*maxes, seconds["data_wait"] / elapsed, *memory.values()], device)
-        n = len(sums)
-        world = self.ctx.world_size
-        mean_elapsed = total[-1] / world
-        metrics = breakdown(dict(zip(PHASES, total[n : n + len(PHASES)], strict=True)), total[-1])
-        metrics["data_wait_frac"] = min(worst[len(maxes)], 1.0)
-        metrics["step_time_s"] = mean_elapsed / max(times.steps, 1)
-        metrics["samples_per_s"] = times.samples / mean_elapsed
-        if self.tokens_per_sample:
-            metrics["tokens_per_s"] = metrics["samples_per_s"] * self.tokens_per_sample
-        value = mfu(metrics["samples_per_s"], world, self.flops_per_sample, self.peak_flops)
-        if math.isfinite(value):
-            metrics["mfu"] = value
-        metrics.update(zip(memory, worst[len(maxes) + 1 :], strict=True))
-        return total[:n], metrics, worst[: len(maxes)]
-
-    def _print_line(self, m: dict[str, float]) -> None:
-        eta = (self.total_steps - self.state.step) * m["step_time_s"]
-        tok = f"  {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
-        util = f"  mfu {m['mfu']:.1%}" if "mfu" in m else ""
-        self.ctx.log(
-            f"epoch {self.state.epoch:>3}  step {self.state.step:>6}/{self.total_steps}  "
-            f"loss {m['train_loss']:.4f}  lr {m['lr']:.2e}  {m['samples_per_s']:,.0f} samples/s"
-            f"{tok}{util}  data wait {m['data_wait_frac']:.0%}  eta {_fmt_time(eta)}"
-        )
+    def _reduce_window(self, times: StepTimes) -> dict[str, float]:
+        """A probe's window of steps, reduced over ranks like a logging interval."""
+        return self.meter.reduce(times, [], [])[1]
 
     def evaluate(self) -> dict[str, float]:
         # inference_mode where the engine allows it (FSDP2's all-gathers write to buffers
@@ -555,7 +408,7 @@ class Trainer:
         return self.state.epoch + min(self.state.epoch_rows / max(usable, 1), 1.0)
 
     def _evaluate_and_report(self) -> None:
-        started = time.perf_counter()
+        started = self.clock.now()
         self._check_finite()
         metrics = self.evaluate()
         es = self.cfg.train.early_stopping
@@ -574,22 +427,11 @@ class Trainer:
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
         self.ctx.log(f"epoch {self.state.epoch:>3}  step {self.state.step:>6}  eval  {shown}")
         self.ctx.reporter.report(metrics, None, None)
-        self.clock.pause(time.perf_counter() - started)
+        self.clock.pause(self.clock.now() - started)
 
     def checkpoint(self, metrics: dict[str, float]) -> None:
-        started = time.perf_counter()
+        started = self.clock.now()
         self._check_finite()  # never overwrite the last good checkpoint with broken weights
         self.state.last_ckpt_step = self.state.step
-        with tempfile.TemporaryDirectory(prefix="raylift-ckpt-") as tmp:
-            save_checkpoint(Path(tmp), self.engine, self.loop_state(), self.ctx.rank)
-            name = f"checkpoint-step{self.state.step:08d}"
-            self.ctx.reporter.report({**metrics, "step": float(self.state.step)}, Path(tmp), name)
-        self.clock.pause(time.perf_counter() - started)
-
-
-def _fmt_time(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    m, s = divmod(int(seconds), 60)
-    h, m = divmod(m, 60)
-    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+        self.checkpointer.save(self.state.step, self.loop_state(), metrics)
+        self.clock.pause(self.clock.now() - started)

@@ -14,10 +14,11 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 DEVICE_PHASES = ("h2d", "forward", "backward", "optimizer")
 PHASES = ("data_wait", *DEVICE_PHASES, "sync")
@@ -95,19 +96,27 @@ def _zero_phases() -> dict[str, float]:
     return dict.fromkeys(PHASES, 0.0)
 
 
+Clock = Callable[[], float]  # seconds; time.perf_counter, or a test's own
+
+
 @dataclasses.dataclass
 class StepTimes:
     """Seconds per phase over one span of steps (a logging interval, a doctor window)."""
 
+    now: Clock = time.perf_counter
     samples: int = 0
     steps: int = 0
-    started: float = dataclasses.field(default_factory=time.perf_counter)
+    started: float = -1.0  # when the span opened, on ``now``'s scale
     paused: float = 0.0  # eval and checkpoints: not training time
     seconds: dict[str, float] = dataclasses.field(default_factory=_zero_phases)
     pending: list[tuple[str, Any, Any]] = dataclasses.field(default_factory=list)  # CUDA events
 
+    def __post_init__(self) -> None:
+        if self.started < 0:
+            self.started = self.now()
+
     def elapsed(self) -> float:
-        return max(time.perf_counter() - self.started - self.paused, 1e-9)
+        return max(self.now() - self.started - self.paused, 1e-9)
 
     def resolve(self) -> dict[str, float]:
         """Phase seconds, reading the CUDA events (the caller has synced the device)."""
@@ -125,12 +134,13 @@ class PhaseClock:
     per step from Python (a comm hook) slowed DDP on gpt-tiny by half on 2 CPU cores.
     ``raylift doctor`` reads collective time from its profiled window instead."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, now: Clock = time.perf_counter):
         self.cuda = device.type == "cuda"
+        self.now = now
         self.sinks: list[StepTimes] = []
 
     def open(self) -> StepTimes:
-        times = StepTimes()
+        times = StepTimes(now=self.now)
         self.sinks.append(times)
         return times
 
@@ -148,9 +158,9 @@ class PhaseClock:
             for sink in self.sinks:
                 sink.pending.append((name, start, end))
             return
-        started = time.perf_counter()
+        started = self.now()
         yield
-        self.add(name, time.perf_counter() - started)
+        self.add(name, self.now() - started)
 
     def drain(self) -> None:
         """Wait for the device's queued work (CUDA), at a point that syncs anyway.
@@ -187,3 +197,18 @@ def mfu(samples_per_s: float, world: int, flops_per_sample: float, peak: float |
     if not peak or flops_per_sample <= 0:
         return float("nan")
     return samples_per_s / max(world, 1) * flops_per_sample / peak
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """The largest of each value over ranks: the slowest worker sets the pace."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(v) for v in t.tolist()]

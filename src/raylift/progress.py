@@ -1,0 +1,150 @@
+"""What each logging interval reports: loss, step-time breakdown, throughput, MFU, memory.
+
+Losses accumulate on the device during the interval; at its end one sum and one max
+collective carry everything (the loss sums, the phase times, the worst data wait and
+memory, and whatever the caller packs in, such as the NaN check), which is the
+interval's only host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from raylift.context import WorkerContext
+from raylift.metrics import (
+    PHASES,
+    PhaseClock,
+    StepTimes,
+    all_reduce_max,
+    all_reduce_sum,
+    breakdown,
+    memory_now,
+    mfu,
+)
+from raylift.strategies import Engine
+
+
+@dataclasses.dataclass
+class Interval:
+    """Device-side running sums for one logging interval, and its phase times."""
+
+    loss_sum: torch.Tensor  # finite losses only: a skipped step does not poison the mean
+    finite: torch.Tensor  # micro-batches whose loss was finite
+    times: StepTimes
+    micro_batches: int = 0
+
+    @classmethod
+    def fresh(cls, device: torch.device, clock: PhaseClock) -> Interval:
+        zero = torch.zeros((), device=device, dtype=torch.float32)
+        return cls(zero, zero.clone(), clock.open())
+
+    def add(self, loss: torch.Tensor) -> torch.Tensor:
+        """Count one micro-batch's loss; returns whether it was finite (on the device)."""
+        value = loss.detach().float()
+        finite = torch.isfinite(value)
+        self.loss_sum += torch.where(finite, value, 0.0)
+        self.finite += finite
+        self.micro_batches += 1
+        return finite
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """What turns seconds into throughput and MFU."""
+
+    global_batch: int  # samples per optimizer step, all ranks
+    flops_per_sample: float  # 0: unknown, no MFU
+    tokens_per_sample: int  # 0: not a token task
+    peak_flops: float | None  # of one worker's device at the compute dtype
+
+
+class IntervalMeter:
+    """Opens, closes and reduces logging intervals; logs the model state once."""
+
+    def __init__(self, ctx: WorkerContext, clock: PhaseClock, rates: Rates):
+        self.ctx, self.clock, self.rates = ctx, clock, rates
+        self.current = Interval.fresh(ctx.device, clock)
+        self.memory: dict[str, float] = {}  # model-state bytes, after the first step
+
+    def rotate(self) -> Interval:
+        """End the current interval and open the next.
+
+        The next one opens before the ending one is logged, so it carries that log's sync
+        time: each interval then holds exactly one logging sync, as in steady state."""
+        ending = self.current
+        self.clock.close(ending.times)
+        self.clock.drain()
+        self.current = Interval.fresh(self.ctx.device, self.clock)
+        return ending
+
+    def reduce(
+        self, times: StepTimes, sums: list[torch.Tensor], maxes: list[float]
+    ) -> tuple[list[float], dict[str, float], list[float]]:
+        """Step-time breakdown, throughput, MFU and memory of ``times`` over all ranks.
+
+        ``sums`` and ``maxes`` ride along in the same two collectives; their reduced
+        values come back first and last. Phase times are averaged over ranks; the data
+        wait and memory are the worst rank's."""
+        seconds, elapsed = times.resolve(), times.elapsed()
+        device = self.ctx.device
+        head = torch.stack(sums).double() if sums else torch.zeros(0, dtype=torch.float64)
+        local = torch.tensor([seconds[p] for p in PHASES] + [elapsed], dtype=torch.float64)
+        total = all_reduce_sum(torch.cat([head.to(device), local.to(device)])).tolist()
+        memory = memory_now(device)
+        worst = all_reduce_max([*maxes, seconds["data_wait"] / elapsed, *memory.values()], device)
+        n, m = len(sums), len(maxes)
+        metrics = breakdown(dict(zip(PHASES, total[n : n + len(PHASES)], strict=True)), total[-1])
+        metrics["data_wait_frac"] = min(worst[m], 1.0)
+        metrics.update(self._rates(total[-1] / self.ctx.world_size, times))
+        metrics.update(zip(memory, worst[m + 1 :], strict=True))
+        return total[:n], metrics, worst[:m]
+
+    def _rates(self, mean_elapsed: float, times: StepTimes) -> dict[str, float]:
+        r = self.rates
+        out = {
+            "step_time_s": mean_elapsed / max(times.steps, 1),
+            "samples_per_s": times.samples / mean_elapsed,
+        }
+        if r.tokens_per_sample:
+            out["tokens_per_s"] = out["samples_per_s"] * r.tokens_per_sample
+        value = mfu(out["samples_per_s"], self.ctx.world_size, r.flops_per_sample, r.peak_flops)
+        if math.isfinite(value):
+            out["mfu"] = value
+        return out
+
+    def log_model_state(self, engine: Engine, step: int) -> None:
+        """Model-state bytes this rank holds, counted from the tensors after the first step."""
+        held = engine.model_state_bytes()
+        metrics = {f"model_state_{k}_bytes": float(v) for k, v in held.items()}
+        metrics["model_state_bytes_per_rank"] = float(sum(held.values()))
+        if self.ctx.device.type == "cuda":
+            metrics["cuda_peak_allocated_bytes"] = float(torch.cuda.max_memory_allocated())
+        self.ctx.tracker.log_metrics(metrics, step)
+        self.memory = metrics
+        mib = metrics["model_state_bytes_per_rank"] / 2**20
+        self.ctx.log(
+            f"model state held by rank 0: {mib:.2f} MiB "
+            + " ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
+        )
+
+
+def console_line(m: dict[str, float], epoch: int, step: int, total_steps: int) -> str:
+    eta = (total_steps - step) * m["step_time_s"]
+    tok = f"  {m['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in m else ""
+    util = f"  mfu {m['mfu']:.1%}" if "mfu" in m else ""
+    return (
+        f"epoch {epoch:>3}  step {step:>6}/{total_steps}  "
+        f"loss {m['train_loss']:.4f}  lr {m['lr']:.2e}  {m['samples_per_s']:,.0f} samples/s"
+        f"{tok}{util}  data wait {m['data_wait_frac']:.0%}  eta {_fmt_time(eta)}"
+    )
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -1,0 +1,146 @@
+"""The worker side of a run: what every Ray Train worker does with the driver's :class:`RunSpec`.
+
+The driver (:mod:`raylift.launch`) resolves everything that is the same for every
+rank (the strategy ``auto`` chose, the prepared shards, the MLflow run) once and
+hands it over in one typed object; each worker builds its data stream, tracker and
+:class:`~raylift.loop.Trainer` from it, resumes if there is a checkpoint, and trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from raylift import storage
+from raylift.config import Config
+from raylift.probe import ProbeSettings
+
+SPEC_KEY = "spec"  # the one key of Ray's train_loop_config
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything the driver hands every worker."""
+
+    config: Config  # strategy already resolved: never "auto" here
+    shards: str  # the prepared shards' root
+    run_id: str  # the MLflow run rank 0 writes to
+    tracking_uri: str
+    cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
+    probe: ProbeSettings | None = None  # raylift doctor's windows
+
+
+def worker_main(loop_config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    spec: RunSpec = loop_config[SPEC_KEY]
+    # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
+    logging.getLogger().setLevel(logging.WARNING)
+    rt = ray.train.get_context()
+    rank, world = rt.get_world_rank(), rt.get_world_size()
+    trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
+    resume(trainer, spec.config)
+    trainer.run()
+
+
+def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
+    from raylift.context import NullTracker, WorkerContext
+    from raylift.loop import Trainer
+    from raylift.tasks import build_task
+    from raylift.tracking import MlflowTracker
+
+    cfg = spec.config
+    task = build_task(cfg.task, cfg.task_args)
+    ctx = WorkerContext(
+        rank=rank,
+        world_size=world,
+        device=device,
+        source=build_source(spec, task, rank, world, device),
+        reporter=RayReporter(),
+        tracker=MlflowTracker(spec.tracking_uri, spec.run_id) if rank == 0 else NullTracker(),
+        log=print0(rank),
+        probe=_probe(spec.probe),
+    )
+    return Trainer(cfg, task, ctx)
+
+
+def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -> Any:
+    """This rank's stream of the prepared shards (or of their copy in the object store)."""
+    from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
+    from raylift.data.shards import read_manifest
+
+    manifest = read_manifest(spec.shards)
+    if manifest is None:
+        raise RuntimeError(f"the shards at {spec.shards} vanished after the run started")
+    store = ObjectStoreStore(manifest, spec.cache) if spec.cache else ParquetStore(manifest)
+    d, cfg = spec.config.data, spec.config
+    return ShardSource(
+        store,
+        rank,
+        world,
+        batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or d.batch_size,
+        seed=cfg.train.seed,
+        prefetch_batches=d.prefetch_batches,
+        pin_memory=device.type == "cuda",
+        shuffle=d.shuffle,
+        transform=getattr(task, "transform", None),
+    )
+
+
+def resume(trainer: Any, cfg: Config) -> None:
+    """Restore the checkpoint Ray hands back, or the newest complete one on local storage."""
+    import ray.train
+
+    from raylift.checkpoint import newest_complete, resume_point
+
+    log = trainer.ctx.log
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            trainer.restore(resume_point(Path(directory), log))
+        return
+    if storage.is_remote(cfg.storage):
+        return
+    # A worker killed right after a checkpoint's report, before Ray's controller
+    # registered it, leaves that checkpoint on disk only: resume from it all the same.
+    found = newest_complete(Path(storage.resolve(cfg.storage)) / cfg.name, log)
+    if found is not None:
+        trainer.restore(found)
+
+
+def _probe(settings: ProbeSettings | None) -> Any:
+    if settings is None:
+        return None
+    from raylift.probe import DoctorProbe
+
+    return DoctorProbe.from_settings(settings)
+
+
+class RayReporter:
+    """Metrics and checkpoints to Ray Train (both are collectives there)."""
+
+    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+        import ray.train
+
+        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
+        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
+
+    def preempting(self) -> bool:
+        import ray.train
+
+        return ray.train.get_preemption_info() is not None
+
+
+def print0(rank: int) -> Any:
+    """``print`` on rank 0, nothing elsewhere: rank logic stays out of the loop."""
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    return log

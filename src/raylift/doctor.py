@@ -482,12 +482,13 @@ def doctor_config(cfg: Config, steps: int) -> Config:
 def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
     """Profile ``cfg`` on Ray (local or ``RAY_ADDRESS``) and diagnose it."""
     from raylift import launch, tracking
+    from raylift.storage import is_remote
 
     if steps < 2:
         raise ValueError("--steps: at least 2 steps per window")
     run = doctor_config(cfg, steps)
     storage = launch.resolve_storage(run.storage)
-    folder = None if "://" in storage else Path(storage) / run.name / "doctor"
+    folder = None if is_remote(storage) else Path(storage) / run.name / "doctor"
     result = launch.train(run, log, probe={"steps": steps, "out_dir": str(folder or "")})
     if PREFIX + "samples_per_s" not in result.metrics:
         raise RuntimeError(

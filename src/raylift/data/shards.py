@@ -108,6 +108,12 @@ def default_location(cfg: Config, fp: str) -> str:
     return join(cfg.storage, "shards", f"{_slug(cfg.task)}-{fp[:12]}")
 
 
+def shard_root(cfg: Config, task: Task) -> tuple[str, str]:
+    """The run's shards folder (``data.shards``, else the default one) and its fingerprint."""
+    fp = fingerprint(cfg, task)
+    return cfg.data.shards or default_location(cfg, fp), fp
+
+
 def _slug(task: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in task).strip("-")
 
@@ -331,10 +337,9 @@ def shards_for_run(cfg: Config, task: Task, log: Any = print, connect: Any = Non
     A folder the user named in ``data.shards`` is never written by ``train``: when it
     is missing or stale the run stops before any worker starts and says to run prep.
     """
-    fp = fingerprint(cfg, task)
+    root, fp = shard_root(cfg, task)
     if cfg.data.shards:
-        return open_shards(cfg.data.shards, fp)
-    root = default_location(cfg, fp)
+        return open_shards(root, fp)
     manifest = read_manifest(root)
     if manifest is not None:
         try:

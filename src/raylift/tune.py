@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 from raylift import tracking
-from raylift.config import Config, ConfigError, config_from_dict, merge, parse_overrides
+from raylift.config import Config, ConfigError, config_from_dict, merge, nest, parse_overrides
 from raylift.storage import join, local_path, resolve
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
@@ -141,13 +141,7 @@ def param_space(spec: SweepSpec) -> dict[str, Any]:
 
 def trial_config(base: dict[str, Any], params: dict[str, Any], name: str) -> Config:
     """The base config with one trial's sampled values (dotted keys) and its own name."""
-    tree: dict[str, Any] = {}
-    for key, value in params.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    tree = nest(params.items())
     return config_from_dict(merge(merge(base, tree), {"name": name, "tune": None}))
 
 

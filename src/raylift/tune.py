@@ -407,7 +407,7 @@ def _finish_parent(
     uri = tracking.tracking_uri(cfg)
     mlflow = tracking.client(uri)
     for row in rows:
-        key = f"{storage.rstrip('/')}/{cfg.name}-{row.trial_id}"
+        key = tracking.run_key(cfg, storage, name=f"{cfg.name}-{row.trial_id}")
         run_id = tracking.find_run(uri, cfg.tracking.experiment, key)
         if run_id is None:
             continue

@@ -110,13 +110,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
-    from raylift.data.shards import ShardError, default_location, fingerprint, prep
+    from raylift.data.shards import ShardError, prep, shard_root
     from raylift.launch import connect_ray
     from raylift.tasks import build_task
 
     cfg = load_config(args.config, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
-    root = cfg.data.shards or default_location(cfg, fingerprint(cfg, task))
+    root, _ = shard_root(cfg, task)
     try:
         result = prep(cfg, task, root, force=args.force, connect=lambda: connect_ray(cfg))
     except ShardError as exc:

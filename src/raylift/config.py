@@ -411,7 +411,7 @@ def _unknown_key(full: str, key: str, allowed: Iterable[str]) -> str:
 
 def parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """Turn ``a.b=1`` strings into a nested dict; values are parsed as YAML scalars."""
-    tree: dict[str, Any] = {}
+    pairs: list[tuple[str, Any]] = []
     problems: list[str] = []
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -422,15 +422,24 @@ def parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]
             value = yaml.safe_load(text) if text else ""
         except yaml.YAMLError:
             value = text
+        pairs.append((key, value))
+    return nest(pairs), problems
+
+
+def nest(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``[("a.b", 1)]`` -> ``{"a": {"b": 1}}``, applied in order: a later key wins, and a
+    dotted key under a plain value replaces it with a dict (``a=1 a.b=2``)."""
+    tree: dict[str, Any] = {}
+    for key, value in pairs:
         node = tree
-        parts = key.split(".")
-        for part in parts[:-1]:
+        *parents, leaf = key.split(".")
+        for part in parents:
             nxt = node.setdefault(part, {})
             if not isinstance(nxt, dict):
                 nxt = node[part] = {}
             node = nxt
-        node[parts[-1]] = value
-    return tree, problems
+        node[leaf] = value
+    return tree
 
 
 def merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:

@@ -380,13 +380,13 @@ def doctor_config(cfg: Config, steps: int) -> Config:
 
 def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
     """Profile ``cfg`` on Ray (local or ``RAY_ADDRESS``) and diagnose it."""
-    from raylift import launch, tracking
+    from raylift import launch, storage, tracking
 
     if steps < 2:
         raise ValueError("--steps: at least 2 steps per window")
     run = doctor_config(cfg, steps)
-    storage = launch.resolve_storage(run.storage)
-    folder = None if "://" in storage else Path(storage) / run.name / "doctor"
+    folder = storage.local_path(run.storage)
+    folder = folder / run.name / "doctor" if folder else None
     probe = ProbeSettings(steps, str(folder) if folder else None)
     result = launch.train(run, log, probe=probe)
     if PREFIX + "samples_per_s" not in result.metrics:

@@ -54,8 +54,10 @@ def client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
-def run_key(cfg: Config, storage: str) -> str:
-    return f"{storage.rstrip('/')}/{cfg.name}"
+def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
+    """The tag that finds a run again; ``name`` picks another run under ``cfg``'s storage
+    (a sweep's trial) instead of ``cfg.name``."""
+    return f"{storage.rstrip('/')}/{name or cfg.name}"
 
 
 def find_run(uri: str, experiment: str, key: str) -> str | None:

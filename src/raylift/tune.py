@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 from raylift import tracking
-from raylift.config import Config, ConfigError, config_from_dict, merge, parse_overrides
+from raylift.config import Config, ConfigError, config_from_dict, merge, nest, parse_overrides
+from raylift.storage import join, local_path, resolve
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
 SCHEDULERS = ("asha", "median", "none")
@@ -140,13 +141,7 @@ def param_space(spec: SweepSpec) -> dict[str, Any]:
 
 def trial_config(base: dict[str, Any], params: dict[str, Any], name: str) -> Config:
     """The base config with one trial's sampled values (dotted keys) and its own name."""
-    tree: dict[str, Any] = {}
-    for key, value in params.items():
-        node = tree
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
+    tree = nest(params.items())
     return config_from_dict(merge(merge(base, tree), {"name": name, "tune": None}))
 
 
@@ -237,12 +232,12 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
     from ray import tune
 
     from raylift.data.shards import shards_for_run
-    from raylift.launch import connect_ray, resolve_storage
+    from raylift.launch import connect_ray
     from raylift.tasks import build_task
 
     started = time.perf_counter()
     spec = parse_sweep(cfg)
-    storage = resolve_storage(cfg.storage)
+    storage = resolve(cfg.storage)
     connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
     base = _trial_base(cfg, spec, storage)
     # The data is prepared once here; trials whose task_args differ prepare their own.
@@ -253,7 +248,7 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
         tune.with_parameters(run_trial, sweep=payload),
         {"CPU": 0.01},  # the trial's workers hold the real resources; this only launches them
     )
-    path = f"{storage}/{cfg.name}"
+    path = join(storage, cfg.name)
     resumed = tune.Tuner.can_restore(path)
     log(f"raylift: sweep {cfg.name!r} -> {path} ({'resuming' if resumed else 'new sweep'})")
     tuner = _tuner(trainable, path, resumed, spec, cfg, storage)
@@ -299,8 +294,8 @@ def _trial_base(cfg: Config, spec: SweepSpec, storage: str) -> dict[str, Any]:
         "storage": storage,
         "tracking": {"uri": tracking.tracking_uri(cfg)},
     }
-    if cfg.data.shards and "://" not in cfg.data.shards:
-        fixed["data"] = {"shards": str(Path(cfg.data.shards).expanduser().resolve())}
+    if cfg.data.shards:
+        fixed["data"] = {"shards": resolve(cfg.data.shards)}
     return merge(cfg.to_dict(), fixed)
 
 
@@ -378,9 +373,10 @@ def _write_best(cfg: Config, best: TrialRow, storage: str) -> Path | None:
     """The best trial's full config at the config's own scale (not a trial's), as YAML
     that ``raylift train`` takes as it is."""
     best_cfg = trial_config(cfg.to_dict(), best.params, f"{cfg.name}-best")
-    if "://" in storage:
+    folder = local_path(storage)
+    if folder is None:  # nowhere on this machine to write it; the trial's params are in MLflow
         return None
-    out = Path(storage) / cfg.name / "best.yaml"
+    out = folder / cfg.name / "best.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = best_cfg.to_dict()
     data.pop("tune", None)
@@ -411,7 +407,7 @@ def _finish_parent(
     uri = tracking.tracking_uri(cfg)
     mlflow = tracking.client(uri)
     for row in rows:
-        key = f"{storage.rstrip('/')}/{cfg.name}-{row.trial_id}"
+        key = tracking.run_key(cfg, storage, name=f"{cfg.name}-{row.trial_id}")
         run_id = tracking.find_run(uri, cfg.tracking.experiment, key)
         if run_id is None:
             continue

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from raylift.storage import filesystem
 from raylift.tasks.base import Batch
 
 Columns = dict[str, np.ndarray]
@@ -96,10 +97,8 @@ class ParquetStore:
     def __init__(self, manifest: Any, open_files: int = 256):
         import ray.data  # noqa: F401  registers Ray's tensor column type with pyarrow
 
-        from raylift.data.shards import _fs
-
         self.manifest = manifest
-        self.fs, self.base = _fs(manifest.root)
+        self.fs, self.base = filesystem(manifest.root)
         # (split, group) -> (file index, row group in the file)
         self.index = {
             split: [(fi, gi) for fi, f in enumerate(files) for gi in range(len(f.groups))]

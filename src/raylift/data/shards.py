@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift.config import Config
+from raylift.storage import filesystem, is_remote, join, resolve
 from raylift.tasks.base import Columns, Task
 
 FORMAT_VERSION = 1
@@ -104,36 +105,27 @@ def fingerprint(cfg: Config, task: Task) -> str:
 
 def default_location(cfg: Config, fp: str) -> str:
     """Where shards live when ``data.shards`` is unset: beside the runs, keyed by fingerprint."""
-    return _join(cfg.storage, "shards", f"{_slug(cfg.task)}-{fp[:12]}")
+    return join(cfg.storage, "shards", f"{_slug(cfg.task)}-{fp[:12]}")
+
+
+def shard_root(cfg: Config, task: Task) -> tuple[str, str]:
+    """The run's shards folder (``data.shards``, else the default one) and its fingerprint."""
+    fp = fingerprint(cfg, task)
+    return cfg.data.shards or default_location(cfg, fp), fp
 
 
 def _slug(task: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in task).strip("-")
 
 
-def _join(base: str, *parts: str) -> str:
-    if "://" in base:
-        return "/".join([base.rstrip("/"), *parts])
-    return str(Path(base).expanduser().resolve().joinpath(*parts))
-
-
-# ---------------------------------------------------------------- filesystem
-
-
-def _fs(root: str) -> tuple[Any, str]:
-    """A pyarrow filesystem and the path in it, for local folders and s3:// / gs:// alike."""
-    import pyarrow.fs as pafs
-
-    if "://" in root:
-        return pafs.FileSystem.from_uri(root)
-    return pafs.LocalFileSystem(), str(Path(root).expanduser().resolve())
+# ---------------------------------------------------------------- manifest
 
 
 def read_manifest(root: str) -> Manifest | None:
     """The manifest under ``root``, or None when there is none (never prepared, or cut off)."""
     import pyarrow.fs as pafs
 
-    fs, base = _fs(root)
+    fs, base = filesystem(root)
     info = fs.get_file_info(f"{base}/{MANIFEST}")
     if info.type != pafs.FileType.File:
         return None
@@ -142,7 +134,7 @@ def read_manifest(root: str) -> Manifest | None:
     if data.get("format") != FORMAT_VERSION:
         return None
     # Absolute, so Ray workers in other folders (or on other nodes, over NFS) find it.
-    return Manifest.from_json(root if "://" in root else base, data)
+    return Manifest.from_json(resolve(root), data)
 
 
 def verify(manifest: Manifest, fp: str | None) -> None:
@@ -155,7 +147,7 @@ def verify(manifest: Manifest, fp: str | None) -> None:
             f"data.shards: {root} was prepared for another task, task_args or task code; "
             f"run `raylift prep CONFIG --force` to prepare it again"
         )
-    fs, base = _fs(root)
+    fs, base = filesystem(root)
     files = [f for fs_ in manifest.splits.values() for f in fs_]
     infos = fs.get_file_info([f"{base}/{f.path}" for f in files])
     for f, info in zip(files, infos, strict=True):
@@ -220,7 +212,7 @@ def prep(
         return PrepResult(root, existing, True, time.perf_counter() - started)
     if connect is not None:
         connect()
-    if "://" in root:  # object stores have no rename: write in place, the manifest last
+    if is_remote(root):  # object stores have no rename: write in place, the manifest last
         _clear(root)
         manifest = _write_all(task, root, fp, log)
     else:
@@ -244,7 +236,7 @@ def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Ma
     import shutil
     import uuid
 
-    final = Path(root).expanduser().resolve()
+    final = Path(resolve(root))
     staging = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         _write_all(task, str(staging), fp, log)
@@ -265,7 +257,7 @@ def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Ma
 def _clear(root: str) -> None:
     import pyarrow.fs as pafs
 
-    fs, base = _fs(root)
+    fs, base = filesystem(root)
     if fs.get_file_info(base).type == pafs.FileType.Directory:
         fs.delete_dir_contents(base)  # the manifest goes first with it: no half-valid state
     fs.create_dir(base, recursive=True)
@@ -296,7 +288,7 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
             # One global shuffle offline, so each row group is a random sample of the data.
             ds = ds.random_shuffle(seed=SHUFFLE_SEED)
         ds.write_parquet(
-            _join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
+            join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
         )
         log(f"raylift: prep wrote split {split!r}")
     return list(SPLITS)
@@ -307,7 +299,7 @@ def _scan(root: str, fp: str, splits: list[str]) -> Manifest:
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    fs, base = _fs(root)
+    fs, base = filesystem(root)
     found: dict[str, tuple[ShardFile, ...]] = {}
     schema: dict[str, str] = {}
     for split in splits:
@@ -331,7 +323,7 @@ def _scan(root: str, fp: str, splits: list[str]) -> Manifest:
 
 
 def _write_manifest(root: str, manifest: Manifest) -> None:
-    fs, base = _fs(root)
+    fs, base = filesystem(root)
     with fs.open_output_stream(f"{base}/{MANIFEST}") as f:
         f.write(json.dumps(manifest.to_json(), indent=1).encode())
 
@@ -345,10 +337,9 @@ def shards_for_run(cfg: Config, task: Task, log: Any = print, connect: Any = Non
     A folder the user named in ``data.shards`` is never written by ``train``: when it
     is missing or stale the run stops before any worker starts and says to run prep.
     """
-    fp = fingerprint(cfg, task)
+    root, fp = shard_root(cfg, task)
     if cfg.data.shards:
-        return open_shards(cfg.data.shards, fp)
-    root = default_location(cfg, fp)
+        return open_shards(root, fp)
     manifest = read_manifest(root)
     if manifest is not None:
         try:
@@ -374,7 +365,7 @@ def cache_in_object_store(manifest: Manifest, log: Any = print) -> dict[str, lis
             "(start Ray with a larger --object-store-memory, or set data.cache: false)"
         )
         return None
-    fs, base = _fs(manifest.root)
+    fs, base = filesystem(manifest.root)
     refs = {
         split: [ray.put(pq.read_table(f"{base}/{f.path}", filesystem=fs)) for f in files]
         for split, files in manifest.splits.items()

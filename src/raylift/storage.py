@@ -1,0 +1,47 @@
+"""Where runs, checkpoints and shards live: a local folder or a URI (s3://, gs://, ...).
+
+Every place that must tell the two apart, or turn a path into something Ray,
+pyarrow or a worker in another folder can use, asks here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow.fs
+
+
+def is_remote(path: str) -> bool:
+    """True for a URI (``scheme://...``), which Ray and pyarrow open; False for a local path."""
+    return "://" in path
+
+
+def resolve(path: str) -> str:
+    """An absolute local path, ``~`` expanded, so Ray and workers in other folders agree
+    on it; URIs pass through unchanged."""
+    if is_remote(path):
+        return path
+    return str(Path(path).expanduser().resolve())
+
+
+def local_path(path: str) -> Path | None:
+    """The resolved local folder, or None for a URI (nothing on this machine to write to)."""
+    return None if is_remote(path) else Path(resolve(path))
+
+
+def join(base: str, *parts: str) -> str:
+    """``base/part/...``: URIs joined with ``/`` as they are, local paths made absolute."""
+    if is_remote(base):
+        return "/".join([base.rstrip("/"), *parts])
+    return str(Path(resolve(base)).joinpath(*parts))
+
+
+def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
+    """A pyarrow filesystem and the path in it, for local folders and URIs alike."""
+    import pyarrow.fs as pafs
+
+    if is_remote(path):
+        return pafs.FileSystem.from_uri(path)
+    return pafs.LocalFileSystem(), resolve(path)

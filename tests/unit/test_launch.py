@@ -1,0 +1,59 @@
+"""The driver side without Ray: what it settles once for every rank, and what it hands over."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from raylift.launch import local_num_cpus, resolve_strategy, run_exists, user_code_env
+from raylift.plan import GIB
+from raylift.probe import ProbeSettings
+from raylift.worker import RunSpec
+from tests.helpers import make_config
+
+GPT_TINY = {"task": "gpt", "task_args": {"max_bytes": 20_000}}
+
+
+def test_strategy_auto_is_resolved_once_on_the_driver_and_said() -> None:
+    cfg = make_config(**GPT_TINY, strategy={"name": "auto"}, scaling={"num_workers": 2})
+    said: list[str] = []
+    roomy = resolve_strategy(cfg, said.append, memory=64 * GIB)
+    assert roomy.strategy.name == "ddp" and cfg.strategy.name == "auto"  # cfg itself untouched
+    assert said == ["raylift: strategy auto -> " + str(roomy.strategy) + " (64.0 GiB per worker)"]
+    with pytest.raises(ValueError, match="no strategy fits"):
+        resolve_strategy(cfg, said.append, memory=1024)
+
+
+def test_a_named_strategy_passes_through_without_asking_the_cluster() -> None:
+    cfg = make_config(strategy={"name": "fsdp"})
+    said: list[str] = []
+    assert resolve_strategy(cfg, said.append) is cfg
+    assert said == ["raylift: strategy fsdp"]
+
+
+def test_the_run_spec_is_one_typed_object_that_pickles() -> None:
+    cfg = make_config()
+    spec = RunSpec(cfg, "/tmp/shards", "run1", "sqlite:///x.db", probe=ProbeSettings(5))
+    back = pickle.loads(pickle.dumps(spec))
+    assert back == spec and back.config.strategy.name == "ddp"
+
+
+def test_a_private_local_ray_has_a_slot_per_worker_and_one_for_ray_data() -> None:
+    cfg = make_config(scaling={"num_workers": 6, "cpus_per_worker": 1.5})
+    assert local_num_cpus(cfg) >= 10  # ceil(6 x 1.5) + 1
+    assert local_num_cpus(cfg, workers=1) >= 3
+
+
+def test_a_run_exists_where_it_left_a_checkpoint(tmp_path: Path) -> None:
+    assert not run_exists(str(tmp_path), "mine")
+    (tmp_path / "mine" / "checkpoint-step00000010").mkdir(parents=True)
+    assert run_exists(str(tmp_path), "mine")
+    assert not run_exists("s3://bucket/runs", "mine")  # Ray Train decides on remote storage
+
+
+def test_only_user_code_outside_site_packages_travels() -> None:
+    assert user_code_env("digits") == {}
+    shipped = user_code_env("tests.bottlenecks:SlowInputDigits")
+    assert shipped["py_modules"][0].endswith("tests")

@@ -18,7 +18,6 @@ from typing import Any
 
 import yaml
 
-PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
 # Strategies whose engines exist in this version; the rest are refused at load time.
 IMPLEMENTED_STRATEGIES = ("ddp", "fsdp", "fairscale", "deepspeed")
@@ -289,9 +288,12 @@ class Config:
             )
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
+        from raylift.precision import PRECISIONS  # late: it imports torch
+
         if self.precision not in PRECISIONS:
             out.append(
-                f"precision: unknown precision {self.precision!r}; choose one of {PRECISIONS}"
+                f"precision: unknown precision {self.precision!r}; "
+                f"choose one of {tuple(PRECISIONS)}"
             )
         if not self.storage:
             out.append("storage: must be a local path or a URI such as s3://bucket/runs")

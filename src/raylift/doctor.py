@@ -28,6 +28,7 @@ from torch.autograd import DeviceType
 
 from raylift.config import Config
 from raylift.metrics import PHASES, StepTimes, dtype_key, peak_flops
+from raylift.precision import resolve_precision
 
 PREFIX = "doctor_"
 Metrics = dict[str, float]
@@ -388,7 +389,8 @@ def _compute(
     compute = s["forward"] + s["backward"]
     out: list[Suggestion] = []
     fp32, bf16 = m.get(f"{PREFIX}peak_fp32_flops", math.nan), m.get(f"{PREFIX}peak_bf16_flops")
-    if cfg.precision == "32" and bf16 and bf16 > 1.2 * fp32:
+    dtype = resolve_precision(cfg.precision).compute_dtype
+    if dtype == torch.float32 and bf16 and bf16 > 1.2 * fp32:
         out.append(
             Suggestion(
                 "precision",
@@ -397,7 +399,7 @@ def _compute(
                 _amdahl(compute * (1 - fp32 / bf16)),
             )
         )
-    if cfg.precision in ("bf16-mixed", "bf16-true") and bf16 and bf16 < fp32:
+    if dtype == torch.bfloat16 and bf16 and bf16 < fp32:
         out.append(
             Suggestion(
                 "precision",

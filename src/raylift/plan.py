@@ -93,11 +93,6 @@ def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[in
     return held[0], held[1], held[2]
 
 
-def _compute_dtype(cfg: Config) -> torch.dtype:
-    precision = resolve_precision(cfg.precision)
-    return precision.autocast_dtype or precision.param_dtype
-
-
 def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpointing: bool) -> int:
     """Bytes autograd saves for backward in one forward of ``batch``.
 
@@ -111,7 +106,7 @@ def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpoi
     from raylift.tasks.base import blocks_of
 
     task = build_task(cfg.task, cfg.task_args)
-    dtype = _compute_dtype(cfg)
+    dtype = resolve_precision(cfg.precision).compute_dtype
     with torch.device("meta"):
         model = task.build_model().to(dtype)
     if checkpointing:

@@ -86,22 +86,22 @@ def checkpoint_error(message: str) -> Exception:
 
 
 def precision_config(precision: Precision) -> dict[str, Any]:
-    if precision.name == "bf16-mixed":
-        # torch.autocast semantics: fp32 weights, bf16 compute. An empty list of
+    if precision.use_scaler:
+        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
+        # overflow check spans all ranks; auto_cast turns float inputs to half.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
+    if precision.autocast_dtype is not None:
+        # torch.autocast semantics: fp32 weights, low-precision compute. An empty list of
         # "lower precision safe" modules keeps gradient reduction in fp32, as DDP does.
         return {
             "torch_autocast": {
                 "enabled": True,
-                "dtype": "bfloat16",
+                "dtype": str(precision.autocast_dtype).removeprefix("torch."),
                 "lower_precision_safe_modules": [],
             }
         }
-    if precision.name == "16-mixed":
-        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
-        # overflow check spans all ranks; auto_cast turns float inputs to half.
-        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
-    if precision.name == "bf16-true":
-        return {"bf16": {"enabled": True}}
+    if precision.param_dtype == torch.bfloat16:
+        return {"bf16": {"enabled": True}}  # the whole model in bf16, no autocast
     return {}
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raylift.config import Config
-from raylift.optim import param_groups
+from raylift.optim import optimizer_class_and_kwargs, param_groups
 from raylift.precision import Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 
@@ -26,12 +26,8 @@ STATE_FILE = "consolidated.pt"
 def build_oss(model: nn.Module, cfg: Config) -> Any:
     from fairscale.optim import OSS
 
-    o = cfg.optim
-    groups = param_groups(model.named_parameters(), o.weight_decay)
-    if o.name == "sgd":
-        return OSS(groups, optim=torch.optim.SGD, lr=o.lr, momentum=o.momentum)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return OSS(groups, optim=cls, lr=o.lr, betas=(o.betas[0], o.betas[1]))
+    cls, kwargs = optimizer_class_and_kwargs(cfg.optim)
+    return OSS(param_groups(model.named_parameters(), cfg.optim.weight_decay), optim=cls, **kwargs)
 
 
 class ConsolidatedState:

@@ -20,15 +20,18 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch.autograd import DeviceType
 
 from raylift.config import Config
 from raylift.metrics import PHASES, StepTimes, dtype_key, peak_flops
 from raylift.precision import resolve_precision
+from raylift.strategies import plan_row_for, plan_rows
 
 PREFIX = "doctor_"
 Metrics = dict[str, float]
@@ -318,14 +321,20 @@ def _comm(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
             _amdahl(comm / 2) * 0.95,
         ),
     ]
-    if cfg.strategy.name in ("fsdp", "deepspeed") and (
-        cfg.strategy.name == "fsdp" or cfg.strategy.zero_stage == 3
-    ):
+    row = plan_row_for(cfg.strategy)
+    if row is not None and row.shards.params:
+        replica = next(r for r in plan_rows() if not r.shards.params)
+        key, value = (
+            ("strategy.name", str(replica.strategy["name"]))
+            if set(replica.strategy) == {"name"}
+            else ("strategy", _section(replica.strategy))
+        )
         out.append(
             Suggestion(
-                "strategy.name",
-                "ddp",
-                "if a replica fits in memory (raylift plan), DDP gathers no parameters",
+                key,
+                value,
+                f"if a replica fits in memory (raylift plan), {replica.label} gathers no "
+                "parameters",
                 _amdahl(comm / 3),
             )
         )
@@ -343,11 +352,15 @@ def _memory(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion
                 1.0,
             )
         )
-    if cfg.strategy.name in ("ddp", "fairscale"):
+    row = plan_row_for(cfg.strategy)
+    if row is not None and not row.shards.params:
+        sharding = [r for r in plan_rows() if r.shards.params]
+        # The same strategy where it can shard parameters (ZeRO-3), else the first that does.
+        to = next((r for r in sharding if r.strategy["name"] == cfg.strategy.name), sharding[0])
         out.append(
             Suggestion(
                 "strategy",
-                "{name: fsdp}",
+                _section(to.strategy),
                 "shard parameters, gradients and optimizer state (raylift plan compares)",
                 1.0,
             )
@@ -362,6 +375,11 @@ def _memory(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion
         )
     )
     return out
+
+
+def _section(strategy: Mapping[str, Any]) -> str:
+    """A strategy section as one line of YAML, e.g. ``{name: fsdp}``."""
+    return yaml.safe_dump(dict(strategy), default_flow_style=True, sort_keys=False).strip()
 
 
 def _cpu(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:

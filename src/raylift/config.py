@@ -18,10 +18,8 @@ from typing import Any
 
 import yaml
 
-PRECISIONS = ("32", "16-mixed", "bf16-mixed", "bf16-true")
-STRATEGIES = ("ddp", "fsdp", "deepspeed", "fairscale", "auto")
-# Strategies whose engines exist in this version; the rest are refused at load time.
-IMPLEMENTED_STRATEGIES = ("ddp", "fsdp", "fairscale", "deepspeed")
+# Not a strategy: `raylift plan`'s choice for the run's world size and devices.
+AUTO = "auto"
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("cosine", "constant")
 
@@ -108,41 +106,14 @@ class StrategyConfig:
     config: dict[str, Any] = dataclasses.field(default_factory=dict)  # deepspeed: raw keys, win
 
     def problems(self) -> list[str]:
-        if self.name not in STRATEGIES:
-            return [f"strategy.name: unknown strategy {self.name!r}; choose one of {STRATEGIES}"]
-        if self.name not in (*IMPLEMENTED_STRATEGIES, "auto"):
-            return [
-                f"strategy.name: {self.name!r} is not available in this version of raylift; "
-                f"use one of {IMPLEMENTED_STRATEGIES}"
-            ]
-        out = [
-            f"strategy.{key}: applies to {', '.join(users)}, not to {self.name!r}; remove it"
-            for key, users in STRATEGY_OPTIONS.items()
-            if self.name not in users and getattr(self, key) != _DEFAULT_STRATEGY[key]
-        ]
-        if self.bucket_cap_mb <= 0:
-            out.append("strategy.bucket_cap_mb: must be > 0")
-        if self.zero_stage not in (0, 1, 2, 3):
-            out.append(f"strategy.zero_stage: must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.offload_param and self.zero_stage != 3:
-            out.append("strategy.offload_param: needs strategy.zero_stage: 3")
-        return out
+        # The rest is checked with the whole config (Config.problems): a strategy's checks
+        # may involve other sections.
+        from raylift.strategies import REGISTRY  # late: the strategies import torch
 
-
-# Which strategies read each option; setting one the chosen strategy ignores is an error.
-STRATEGY_OPTIONS = {
-    "activation_checkpointing": ("ddp", "fsdp", "deepspeed", "fairscale"),
-    "find_unused_parameters": ("ddp",),
-    "bucket_cap_mb": ("ddp",),
-    "reshard_after_forward": ("fsdp",),
-    "cpu_offload": ("fsdp",),
-    "zero_stage": ("deepspeed",),
-    "offload": ("deepspeed",),
-    "offload_optimizer": ("deepspeed",),
-    "offload_param": ("deepspeed",),
-    "config": ("deepspeed",),
-}
-_DEFAULT_STRATEGY = dataclasses.asdict(StrategyConfig())
+        names = (*REGISTRY, AUTO)
+        if self.name not in names:
+            return [f"strategy.name: unknown strategy {self.name!r}; choose one of {names}"]
+        return []
 
 
 @dataclasses.dataclass
@@ -278,20 +249,17 @@ class Config:
                     f"{bad} worker(s) cannot divide train.grad_accum x max = {total}: use a "
                     "range such as [1, 2], or raise train.grad_accum until every count divides it"
                 )
-        if (
-            self.train.on_nan == "skip"
-            and self.strategy.name == "deepspeed"
-            and self.precision != "16-mixed"
-        ):
-            out.append(
-                "train.on_nan: 'skip' with deepspeed relies on DeepSpeed's fp16 loss scaler, which "
-                "skips non-finite steps; set precision: 16-mixed, or train.on_nan: stop"
-            )
+        from raylift.strategies import config_problems  # late: the strategies import torch
+
+        out += config_problems(self)
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
+        from raylift.precision import PRECISIONS  # late: it imports torch
+
         if self.precision not in PRECISIONS:
             out.append(
-                f"precision: unknown precision {self.precision!r}; choose one of {PRECISIONS}"
+                f"precision: unknown precision {self.precision!r}; "
+                f"choose one of {tuple(PRECISIONS)}"
             )
         if not self.storage:
             out.append("storage: must be a local path or a URI such as s3://bucket/runs")

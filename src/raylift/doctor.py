@@ -21,12 +21,18 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+
 from raylift.config import Config
 from raylift.metrics import PHASES
+from raylift.precision import resolve_precision
 from raylift.probe import PREFIX, ProbeSettings
+from raylift.strategies import plan_row_for, plan_rows
 
 Metrics = dict[str, float]
 VERDICTS = (
@@ -216,14 +222,20 @@ def _comm(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
             _amdahl(comm / 2) * 0.95,
         ),
     ]
-    if cfg.strategy.name in ("fsdp", "deepspeed") and (
-        cfg.strategy.name == "fsdp" or cfg.strategy.zero_stage == 3
-    ):
+    row = plan_row_for(cfg.strategy)
+    if row is not None and row.shards.params:
+        replica = next(r for r in plan_rows() if not r.shards.params)
+        key, value = (
+            ("strategy.name", str(replica.strategy["name"]))
+            if set(replica.strategy) == {"name"}
+            else ("strategy", _section(replica.strategy))
+        )
         out.append(
             Suggestion(
-                "strategy.name",
-                "ddp",
-                "if a replica fits in memory (raylift plan), DDP gathers no parameters",
+                key,
+                value,
+                f"if a replica fits in memory (raylift plan), {replica.label} gathers no "
+                "parameters",
                 _amdahl(comm / 3),
             )
         )
@@ -241,11 +253,15 @@ def _memory(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion
                 1.0,
             )
         )
-    if cfg.strategy.name in ("ddp", "fairscale"):
+    row = plan_row_for(cfg.strategy)
+    if row is not None and not row.shards.params:
+        sharding = [r for r in plan_rows() if r.shards.params]
+        # The same strategy where it can shard parameters (ZeRO-3), else the first that does.
+        to = next((r for r in sharding if r.strategy["name"] == cfg.strategy.name), sharding[0])
         out.append(
             Suggestion(
                 "strategy",
-                "{name: fsdp}",
+                _section(to.strategy),
                 "shard parameters, gradients and optimizer state (raylift plan compares)",
                 1.0,
             )
@@ -260,6 +276,11 @@ def _memory(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion
         )
     )
     return out
+
+
+def _section(strategy: Mapping[str, Any]) -> str:
+    """A strategy section as one line of YAML, e.g. ``{name: fsdp}``."""
+    return yaml.safe_dump(dict(strategy), default_flow_style=True, sort_keys=False).strip()
 
 
 def _cpu(m: Metrics, cfg: Config, s: Metrics, comm: float) -> list[Suggestion]:
@@ -287,7 +308,8 @@ def _compute(
     compute = s["forward"] + s["backward"]
     out: list[Suggestion] = []
     fp32, bf16 = m.get(f"{PREFIX}peak_fp32_flops", math.nan), m.get(f"{PREFIX}peak_bf16_flops")
-    if cfg.precision == "32" and bf16 and bf16 > 1.2 * fp32:
+    dtype = resolve_precision(cfg.precision).compute_dtype
+    if dtype == torch.float32 and bf16 and bf16 > 1.2 * fp32:
         out.append(
             Suggestion(
                 "precision",
@@ -296,7 +318,7 @@ def _compute(
                 _amdahl(compute * (1 - fp32 / bf16)),
             )
         )
-    if cfg.precision in ("bf16-mixed", "bf16-true") and bf16 and bf16 < fp32:
+    if dtype == torch.bfloat16 and bf16 and bf16 < fp32:
         out.append(
             Suggestion(
                 "precision",

@@ -5,12 +5,12 @@ The result loads into the task's plain model with ``model.load_state_dict(...)``
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import torch
 
 from raylift.checkpoint import LOOP_FILE, CheckpointError, read_loop_state
+from raylift.strategies import REGISTRY
 
 
 def latest_checkpoint(path: Path) -> Path:
@@ -26,41 +26,13 @@ def latest_checkpoint(path: Path) -> Path:
     return found[-1]
 
 
-def _dcp_model(folder: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(folder), str(target))  # gathers every rank's shards, no group
-        return dict(torch.load(target, weights_only=True)["model"])
-
-
-def _fairscale_model(folder: Path) -> dict[str, torch.Tensor]:
-    from raylift.strategies.fairscale import STATE_FILE
-
-    return dict(torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")["model"])
-
-
-def _deepspeed_model(folder: Path) -> dict[str, torch.Tensor]:
-    from raylift.strategies.deepspeed import consolidated_state_dict
-
-    return consolidated_state_dict(folder)
-
-
-READERS = {
-    "ddp": _dcp_model,
-    "fsdp": _dcp_model,
-    "fairscale": _fairscale_model,
-    "deepspeed": _deepspeed_model,
-}
-
-
 def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     ckpt = latest_checkpoint(path)
     strategy = read_loop_state(ckpt).get("strategy", "")
-    if strategy not in READERS:
+    spec = REGISTRY.get(strategy)
+    if spec is None:
         raise CheckpointError(f"{ckpt}: written by unknown strategy {strategy!r}")
-    state = READERS[strategy](ckpt / "engine")
+    state = spec.read_export(ckpt / "engine")
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 

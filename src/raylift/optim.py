@@ -24,12 +24,18 @@ def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    groups = param_groups(model.named_parameters(), cfg.weight_decay)
+def optimizer_class_and_kwargs(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The torch optimizer class and its arguments besides the parameters: the one choice,
+    whether raylift builds it or a wrapper (fairscale's OSS) does."""
     if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        return torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum}
     cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]))
+    return cls, {"lr": cfg.lr, "betas": (cfg.betas[0], cfg.betas[1])}
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    cls, kwargs = optimizer_class_and_kwargs(cfg)
+    return cls(param_groups(model.named_parameters(), cfg.weight_decay), **kwargs)
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -13,38 +13,14 @@ import dataclasses
 
 import torch
 
-from raylift.config import IMPLEMENTED_STRATEGIES, Config, StrategyConfig
+from raylift.config import Config, StrategyConfig
 from raylift.precision import resolve_precision
+from raylift.strategies import PlanRow, config_problems, plan_row, plan_rows
 
 # Share of memory a plan may fill: the rest is the allocator's cache, fragmentation,
 # communication buffers and the CUDA context.
 USABLE = 0.85
 GIB = 2**30
-
-# Candidates in order of increasing communication per step; the first that fits wins.
-CANDIDATES: list[tuple[str, dict]] = [
-    ("ddp", {"name": "ddp"}),
-    ("zero1", {"name": "deepspeed", "zero_stage": 1}),
-    ("fairscale", {"name": "fairscale"}),
-    ("zero2", {"name": "deepspeed", "zero_stage": 2}),
-    ("fsdp", {"name": "fsdp"}),
-    ("zero3", {"name": "deepspeed", "zero_stage": 3}),
-    (
-        "zero3-offload",
-        {"name": "deepspeed", "zero_stage": 3, "offload_optimizer": True, "offload_param": True},
-    ),
-]
-
-# Which model states each strategy divides by the world size: (params, grads, optimizer).
-SHARDED = {
-    "ddp": (False, False, False),
-    "fairscale": (False, False, True),  # OSS partitions optimizer state; grads stay whole
-    "zero1": (False, False, True),
-    "zero2": (False, True, True),
-    "fsdp": (True, True, True),
-    "zero3": (True, True, True),
-    "zero3-offload": (True, True, True),
-}
 
 
 @dataclasses.dataclass
@@ -56,6 +32,7 @@ class Row:
     optimizer: int
     activations: int  # at the configured micro-batch
     activations_ckpt: int  # the same with activation checkpointing
+    refused: list[str]  # what the config alone shows wrong with this strategy; empty: usable
 
     @property
     def states(self) -> int:
@@ -81,21 +58,16 @@ def optimizer_slots(cfg: Config) -> int:
 
 def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds on the device."""
+    row = plan_row(label)
     width = resolve_precision(cfg.precision).param_dtype.itemsize
     optimizer = n_params * width * optimizer_slots(cfg)
-    if label.startswith("zero"):
-        optimizer += n_params * 4  # DeepSpeed's ZeRO keeps an fp32 master copy of its partition
+    if row.fp32_master:
+        optimizer += n_params * 4
     full = (n_params * width, n_params * width, optimizer)
-    shards = SHARDED[label]
-    held = [b // world if sharded else b for b, sharded in zip(full, shards, strict=True)]
-    if label == "zero3-offload":  # parameters and optimizer live in host memory
+    held = [b // world if sharded else b for b, sharded in zip(full, row.shards, strict=True)]
+    if row.offload:
         held[0], held[2] = 0, 0
     return held[0], held[1], held[2]
-
-
-def _compute_dtype(cfg: Config) -> torch.dtype:
-    precision = resolve_precision(cfg.precision)
-    return precision.autocast_dtype or precision.param_dtype
 
 
 def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpointing: bool) -> int:
@@ -111,7 +83,7 @@ def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpoi
     from raylift.tasks.base import blocks_of
 
     task = build_task(cfg.task, cfg.task_args)
-    dtype = _compute_dtype(cfg)
+    dtype = resolve_precision(cfg.precision).compute_dtype
     with torch.device("meta"):
         model = task.build_model().to(dtype)
     if checkpointing:
@@ -155,22 +127,28 @@ def count_params(cfg: Config) -> int:
     return sum(p.numel() for p in model.parameters())  # tied weights once
 
 
+def refusals(cfg: Config, row: PlanRow) -> list[str]:
+    """Why ``cfg`` cannot run as ``row`` (fp16 where the strategy has no loss scaler, say)."""
+    return config_problems(dataclasses.replace(cfg, strategy=StrategyConfig(**row.strategy)))
+
+
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
     n_params, batch = count_params(cfg), cfg.data.batch_size
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
     rows = [
         Row(
-            label,
-            strategy,
-            *model_states(label, n_params, cfg, gpus),
+            row.label,
+            dict(row.strategy),
+            *model_states(row.label, n_params, cfg, gpus),
             per_sample * batch,
             per_sample_ckpt * batch,
+            refusals(cfg, row),
         )
-        for label, strategy in CANDIDATES
+        for row in plan_rows()
     ]
     budget = int(gpu_mem_gib * GIB * USABLE)
-    usable = [r for r in rows if r.strategy["name"] in IMPLEMENTED_STRATEGIES]
+    usable = [r for r in rows if not r.refused]
     for row in usable:
         for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
             if row.states + act * batch <= budget:
@@ -216,13 +194,14 @@ def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
             if total <= plan.budget
             else ("with ckpt" if r.states + r.activations_ckpt <= plan.budget else "no")
         )
-        if r.strategy["name"] not in IMPLEMENTED_STRATEGIES:
-            fits += " (not in this version)"
+        if r.refused:
+            fits += " (refused, below)"
         lines.append(
             f"{r.label:<15}{mib(r.params)}{mib(r.grads)}{mib(r.optimizer)}"
             f"{mib(r.states)}{mib(r.activations)}{mib(r.activations_ckpt)}"
             f"{mib(total)}  {fits}"
         )
+    lines += [f"{r.label} refused: {problem}" for r in plan.rows for problem in r.refused]
     if plan.choice is None:
         lines.append("choice: nothing fits; add workers or use larger devices")
     else:

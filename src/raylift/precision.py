@@ -22,7 +22,7 @@ class Precision:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype matmuls run in: autocast's where it is on, else the weights'."""
+        """Dtype the matrix multiplies run in: autocast's if any, else the weights'."""
         return self.autocast_dtype or self.param_dtype
 
     @property
@@ -42,7 +42,8 @@ class Precision:
         return torch.amp.GradScaler(device.type) if self.use_scaler else None
 
 
-_PLANS = {
+# Every precision the config accepts, by the name it is written with.
+PRECISIONS = {
     "32": Precision("32", None, torch.float32, False),
     "16-mixed": Precision("16-mixed", torch.float16, torch.float32, True),
     "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, torch.float32, False),
@@ -52,6 +53,8 @@ _PLANS = {
 
 def resolve_precision(name: str) -> Precision:
     try:
-        return _PLANS[name]
+        return PRECISIONS[name]
     except KeyError:
-        raise ValueError(f"precision: unknown {name!r}; choose one of {tuple(_PLANS)}") from None
+        raise ValueError(
+            f"precision: unknown {name!r}; choose one of {tuple(PRECISIONS)}"
+        ) from None

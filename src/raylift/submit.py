@@ -21,8 +21,6 @@ from raylift.config import Config, ConfigError
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 AGENT_WAIT_S = 60.0
-# Only what the cluster image may lack; raylift, torch and ray come with the image.
-EXTRAS = {"deepspeed": ["deepspeed>=0.19"], "fairscale": ["fairscale>=0.4.13"]}
 EXCLUDES = [".git", ".venv", "runs", "shards", "mlflow.db", "mlruns", "*.pt", "__pycache__"]
 
 
@@ -36,7 +34,12 @@ def entrypoint(config: str, verb: str, overrides: Sequence[str]) -> str:
 
 
 def pip_packages(cfg: Config) -> list[str]:
-    packages = list(EXTRAS.get(cfg.strategy.name, []))
+    """Only what the cluster image may lack; raylift, torch and ray come with the image."""
+    from raylift.strategies import REGISTRY  # late: the strategies import torch
+
+    # auto picks its strategy on the workers: the image must bring what it may pick.
+    spec = REGISTRY.get(cfg.strategy.name)
+    packages = list(spec.extras) if spec else []
     if (cfg.tune or {}).get("search") == "optuna":
         packages.append("optuna>=3")
     return packages

@@ -1,31 +1,50 @@
-"""Strategies turn (model, config, precision, device) into an :class:`Engine`."""
+"""Strategies turn (model, config, precision, device) into an :class:`Engine`.
+
+Each strategy declares itself once, as the ``SPEC`` of its module; ``REGISTRY`` is
+where config, plan, export, submit and doctor look them up.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 
 import torch
 from torch import nn
 
-from raylift.config import Config
+from raylift.config import AUTO, Config, StrategyConfig
 from raylift.precision import Precision
+from raylift.strategies import ddp, deepspeed, fairscale, fsdp
 from raylift.strategies.base import Engine, TorchEngine
-from raylift.strategies.ddp import build_ddp
-from raylift.strategies.deepspeed import build_deepspeed
-from raylift.strategies.fairscale import build_fairscale
-from raylift.strategies.fsdp import build_fsdp
+from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 
-# (model, config, precision, device, the model's repeated blocks) -> engine
-Builder = Callable[[nn.Module, Config, Precision, torch.device, list[nn.Module]], Engine]
-
-BUILDERS: dict[str, Builder] = {
-    "ddp": build_ddp,
-    "fsdp": build_fsdp,
-    "fairscale": build_fairscale,
-    "deepspeed": build_deepspeed,
+# In the order the config lists the choices.
+REGISTRY: dict[str, StrategySpec] = {
+    s.name: s for s in (ddp.SPEC, fsdp.SPEC, deepspeed.SPEC, fairscale.SPEC)
 }
 
-__all__ = ["BUILDERS", "Engine", "TorchEngine", "build_engine"]
+__all__ = [
+    "REGISTRY",
+    "Engine",
+    "PlanRow",
+    "Shards",
+    "StrategySpec",
+    "TorchEngine",
+    "build_engine",
+    "config_problems",
+    "plan_row",
+    "plan_row_for",
+    "plan_rows",
+    "spec_for",
+]
+
+
+def spec_for(name: str) -> StrategySpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"strategy.name: {name!r} has no engine; choose one of {sorted(REGISTRY)}"
+        ) from None
 
 
 def build_engine(
@@ -35,10 +54,50 @@ def build_engine(
     device: torch.device,
     blocks: list[nn.Module],
 ) -> Engine:
+    return spec_for(cfg.strategy.name).build(model, cfg, precision, device, blocks)
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """What the config alone shows wrong with its strategy section and how it meets the rest.
+
+    An unknown name is left to ``StrategyConfig.problems``; ``auto`` reads no option,
+    since the plan sets the options of the strategy it picks.
+    """
+    spec = REGISTRY.get(cfg.strategy.name)
+    if spec is None:
+        return _unread_options(cfg.strategy, ()) if cfg.strategy.name == AUTO else []
+    return _unread_options(cfg.strategy, spec.reads) + spec.problems(cfg)
+
+
+def _unread_options(strategy: StrategyConfig, reads: tuple[str, ...]) -> list[str]:
+    """Options moved off their defaults that the chosen strategy would silently ignore."""
+    default = StrategyConfig()
+    out: list[str] = []
+    for field in dataclasses.fields(StrategyConfig):
+        key = field.name
+        if key == "name" or key in reads or getattr(strategy, key) == getattr(default, key):
+            continue
+        users = ", ".join(s.name for s in REGISTRY.values() if key in s.reads)
+        out.append(f"strategy.{key}: applies to {users}, not to {strategy.name!r}; remove it")
+    return out
+
+
+def plan_rows() -> list[PlanRow]:
+    """Every strategy's plan candidates, least communication per step first."""
+    return sorted((r for s in REGISTRY.values() for r in s.plan_rows), key=lambda r: r.comm_rank)
+
+
+def plan_row(label: str) -> PlanRow:
     try:
-        builder = BUILDERS[cfg.strategy.name]
-    except KeyError:
-        raise ValueError(
-            f"strategy.name: {cfg.strategy.name!r} has no engine; choose one of {sorted(BUILDERS)}"
-        ) from None
-    return builder(model, cfg, precision, device, blocks)
+        return next(r for r in plan_rows() if r.label == label)
+    except StopIteration:
+        raise ValueError(f"no plan row {label!r}; see raylift plan for the labels") from None
+
+
+def plan_row_for(strategy: StrategyConfig) -> PlanRow | None:
+    """The plan row a strategy section runs as: the most specific one whose keys it matches;
+    None where no row describes it (``auto``, or DeepSpeed's stage 0)."""
+    matches = [
+        r for r in plan_rows() if all(getattr(strategy, k) == v for k, v in r.strategy.items())
+    ]
+    return max(matches, key=lambda r: len(r.strategy), default=None)

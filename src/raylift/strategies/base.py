@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -101,6 +102,16 @@ class DCPState:
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+
+
+def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's full state_dict from a :class:`DCPState` folder, without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(folder), str(target))  # gathers every rank's shards
+        return dict(torch.load(target, weights_only=True)["model"])
 
 
 class TorchEngine:

@@ -9,7 +9,14 @@ from torch.nn.parallel import DistributedDataParallel
 from raylift.config import Config
 from raylift.optim import build_optimizer
 from raylift.precision import Precision
-from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
+from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
+from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+
+
+def problems(cfg: Config) -> list[str]:
+    if cfg.strategy.bucket_cap_mb <= 0:
+        return ["strategy.bucket_cap_mb: must be > 0 (MiB of gradients per all-reduce)"]
+    return []
 
 
 def build_ddp(
@@ -43,3 +50,13 @@ def build_ddp(
         pause_sync=ddp.no_sync,
         eval_module=model,
     )
+
+
+SPEC = StrategySpec(
+    name="ddp",
+    options=("find_unused_parameters", "bucket_cap_mb"),
+    problems=problems,
+    build=build_ddp,
+    read_export=read_dcp_model,
+    plan_rows=(PlanRow("ddp", {"name": "ddp"}, Shards(False, False, False), comm_rank=0),),
+)

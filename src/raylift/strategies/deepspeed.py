@@ -29,8 +29,9 @@ from torch import nn
 
 from raylift.config import Config, merge
 from raylift.optim import build_optimizer
-from raylift.precision import Precision
+from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import apply_activation_checkpointing
+from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 
 TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
 ENGINE_DIR = "engine"
@@ -86,32 +87,50 @@ def checkpoint_error(message: str) -> Exception:
 
 
 def precision_config(precision: Precision) -> dict[str, Any]:
-    if precision.name == "bf16-mixed":
-        # torch.autocast semantics: fp32 weights, bf16 compute. An empty list of
+    if precision.use_scaler:
+        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
+        # overflow check spans all ranks; auto_cast turns float inputs to half.
+        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
+    if precision.autocast_dtype is not None:
+        # torch.autocast semantics: fp32 weights, low-precision compute. An empty list of
         # "lower precision safe" modules keeps gradient reduction in fp32, as DDP does.
         return {
             "torch_autocast": {
                 "enabled": True,
-                "dtype": "bfloat16",
+                "dtype": str(precision.autocast_dtype).removeprefix("torch."),
                 "lower_precision_safe_modules": [],
             }
         }
-    if precision.name == "16-mixed":
-        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
-        # overflow check spans all ranks; auto_cast turns float inputs to half.
-        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
-    if precision.name == "bf16-true":
-        return {"bf16": {"enabled": True}}
+    if precision.param_dtype == torch.bfloat16:
+        return {"bf16": {"enabled": True}}  # the whole model in bf16, no autocast
     return {}
+
+
+def problems(cfg: Config) -> list[str]:
+    s = cfg.strategy
+    out: list[str] = []
+    if s.zero_stage not in (0, 1, 2, 3):
+        out.append(f"strategy.zero_stage: must be 0, 1, 2 or 3, got {s.zero_stage}")
+    elif s.zero_stage == 0:
+        out += [
+            f"strategy.{key}: offloading needs a ZeRO optimizer; "
+            "set strategy.zero_stage to 1, 2 or 3"
+            for key in ("offload", "offload_optimizer")
+            if getattr(s, key)
+        ]
+    if s.offload_param and s.zero_stage != 3:
+        out.append("strategy.offload_param: needs strategy.zero_stage: 3")
+    precision = PRECISIONS.get(cfg.precision)  # an unknown name is the config's to report
+    if cfg.train.on_nan == "skip" and precision is not None and not precision.use_scaler:
+        out.append(
+            "train.on_nan: 'skip' with deepspeed relies on DeepSpeed's fp16 loss scaler, which "
+            "skips non-finite steps; set precision: 16-mixed, or train.on_nan: stop"
+        )
+    return out
 
 
 def zero_config(cfg: Config) -> dict[str, Any]:
     s = cfg.strategy
-    if (s.offload or s.offload_optimizer) and s.zero_stage == 0:
-        raise ValueError(
-            "strategy.offload_optimizer: offloading needs a ZeRO optimizer; "
-            "set strategy.zero_stage to 1, 2 or 3"
-        )
     zero: dict[str, Any] = {"stage": s.zero_stage}
     if s.offload_optimizer or s.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
@@ -429,3 +448,34 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int] | None = None)
         seen.add(ptr)
         total += storage.nbytes()
     return total
+
+
+# ---------------------------------------------------------------- registration
+
+NAME = "deepspeed"
+
+
+def _zero_row(
+    label: str, stage: int, shards: Shards, comm_rank: int, offload: bool = False
+) -> PlanRow:
+    strategy: dict[str, Any] = {"name": NAME, "zero_stage": stage}
+    if offload:
+        strategy.update(offload_optimizer=True, offload_param=True)
+    # ZeRO keeps an fp32 master copy of each rank's partition, counted as optimizer state.
+    return PlanRow(label, strategy, shards, comm_rank, fp32_master=True, offload=offload)
+
+
+SPEC = StrategySpec(
+    name=NAME,
+    options=("zero_stage", "offload", "offload_optimizer", "offload_param", "config"),
+    problems=problems,
+    build=build_deepspeed,
+    read_export=consolidated_state_dict,
+    plan_rows=(
+        _zero_row("zero1", 1, Shards(False, False, True), comm_rank=1),
+        _zero_row("zero2", 2, Shards(False, True, True), comm_rank=3),
+        _zero_row("zero3", 3, Shards(True, True, True), comm_rank=5),
+        _zero_row("zero3-offload", 3, Shards(True, True, True), comm_rank=6, offload=True),
+    ),
+    extras=("deepspeed>=0.19",),
+)

@@ -16,22 +16,29 @@ import torch.distributed as dist
 from torch import nn
 
 from raylift.config import Config
-from raylift.optim import param_groups
-from raylift.precision import Precision
+from raylift.optim import optimizer_class_and_kwargs, param_groups
+from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
+from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 
 STATE_FILE = "consolidated.pt"
+
+
+def problems(cfg: Config) -> list[str]:
+    precision = PRECISIONS.get(cfg.precision)  # an unknown name is the config's to report
+    if precision is not None and precision.use_scaler:
+        return [
+            f"precision: {cfg.precision!r} is not supported with strategy 'fairscale'; "
+            "use bf16-mixed, or strategy fsdp / deepspeed for fp16"
+        ]
+    return []
 
 
 def build_oss(model: nn.Module, cfg: Config) -> Any:
     from fairscale.optim import OSS
 
-    o = cfg.optim
-    groups = param_groups(model.named_parameters(), o.weight_decay)
-    if o.name == "sgd":
-        return OSS(groups, optim=torch.optim.SGD, lr=o.lr, momentum=o.momentum)
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return OSS(groups, optim=cls, lr=o.lr, betas=(o.betas[0], o.betas[1]))
+    cls, kwargs = optimizer_class_and_kwargs(cfg.optim)
+    return OSS(param_groups(model.named_parameters(), cfg.optim.weight_decay), optim=cls, **kwargs)
 
 
 class ConsolidatedState:
@@ -54,6 +61,11 @@ class ConsolidatedState:
         self.optimizer.load_state_dict(state["optim"])
 
 
+def read_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's state_dict from a :class:`ConsolidatedState` folder."""
+    return dict(torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")["model"])
+
+
 def build_fairscale(
     model: nn.Module,
     cfg: Config,
@@ -63,11 +75,6 @@ def build_fairscale(
 ) -> TorchEngine:
     from fairscale.nn.data_parallel import ShardedDataParallel
 
-    if precision.use_scaler:
-        raise ValueError(
-            "precision: '16-mixed' is not supported with strategy 'fairscale'; "
-            "use bf16-mixed, or strategy fsdp / deepspeed for fp16"
-        )
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     model = model.to(device=device, dtype=precision.param_dtype)
@@ -88,3 +95,17 @@ def build_fairscale(
         clip=optimizer.clip_grad_norm,
         state_io=ConsolidatedState(model, optimizer),
     )
+
+
+SPEC = StrategySpec(
+    name="fairscale",
+    options=(),
+    problems=problems,
+    build=build_fairscale,
+    read_export=read_model,
+    # OSS partitions optimizer state; gradients and parameters stay whole.
+    plan_rows=(
+        PlanRow("fairscale", {"name": "fairscale"}, Shards(False, False, True), comm_rank=2),
+    ),
+    extras=("fairscale>=0.4.13",),
+)

@@ -15,26 +15,36 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from raylift.config import Config
 from raylift.optim import build_optimizer
 from raylift.precision import Precision
-from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
+from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
+from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+
+# torch.distributed.fsdp takes a second or more to import: it is imported where this
+# strategy is built, not wherever the registry is read (every config load).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+def problems(cfg: Config) -> list[str]:
+    if cfg.strategy.cpu_offload and not cfg.scaling.use_gpu:
+        return [
+            "strategy.cpu_offload: offloading to the CPU needs GPU workers "
+            "(scaling.use_gpu: true); on CPU workers the parameters already are there"
+        ]
+    return []
 
 
 def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
     """The blocks' policy; the root keeps its parameters' dtype and relies on autocast."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if precision.autocast_dtype is None:  # 32 and bf16-true: compute in the parameters' dtype
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(
@@ -62,13 +72,16 @@ def build_fsdp(
     blocks: list[nn.Module],
 ) -> TorchEngine:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     s = cfg.strategy
-    if s.cpu_offload and device.type != "cuda":
-        raise ValueError(
-            "strategy.cpu_offload: offloading to the CPU needs GPU workers "
-            "(scaling.use_gpu: true); on CPU workers the parameters already are there"
-        )
     model = model.to(device=device, dtype=precision.param_dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.activation_checkpointing:
@@ -105,3 +118,13 @@ def build_fsdp(
         scaler=scaler,
         inference_mode_ok=False,
     )
+
+
+SPEC = StrategySpec(
+    name="fsdp",
+    options=("reshard_after_forward", "cpu_offload"),
+    problems=problems,
+    build=build_fsdp,
+    read_export=read_dcp_model,
+    plan_rows=(PlanRow("fsdp", {"name": "fsdp"}, Shards(True, True, True), comm_rank=4),),
+)

@@ -1,0 +1,64 @@
+"""What raylift knows about a strategy, declared once, as the ``SPEC`` of its own module.
+
+``raylift.strategies`` collects the specs into its ``REGISTRY``; config, plan, export,
+submit and doctor read facts from there and never branch on a strategy's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from raylift.config import Config
+from raylift.precision import Precision
+from raylift.strategies.base import Engine
+
+# (model, config, precision, device, the model's repeated blocks) -> engine
+Builder = Callable[[nn.Module, Config, Precision, torch.device, list[nn.Module]], Engine]
+# a checkpoint's engine/ folder -> the plain model's state_dict
+ExportReader = Callable[[Path], dict[str, torch.Tensor]]
+
+# StrategyConfig keys every strategy reads.
+COMMON_OPTIONS = ("activation_checkpointing",)
+
+
+class Shards(NamedTuple):
+    """Which model states a strategy divides by the world size (the rest are replicated)."""
+
+    params: bool
+    grads: bool
+    optimizer: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRow:
+    """One candidate of ``raylift plan`` and ``strategy: auto``."""
+
+    label: str
+    strategy: Mapping[str, Any]  # the strategy section it runs as, name included
+    shards: Shards
+    # Rank by communication per step, least first: the plan takes the first row that fits.
+    comm_rank: int
+    fp32_master: bool = False  # DeepSpeed's ZeRO keeps an fp32 master copy of its partition
+    offload: bool = False  # parameters and optimizer state live in host memory
+
+
+@dataclasses.dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    options: tuple[str, ...]  # the StrategyConfig keys it reads besides COMMON_OPTIONS
+    # Everything the config alone shows wrong with this strategy: 'key: what, and the fix'.
+    problems: Callable[[Config], list[str]]
+    build: Builder
+    read_export: ExportReader
+    plan_rows: tuple[PlanRow, ...]
+    extras: tuple[str, ...] = ()  # pip requirements a cluster image may lack (raylift submit)
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        return COMMON_OPTIONS + self.options

@@ -243,12 +243,7 @@ class Config:
             total = self.train.grad_accum * sc.max_workers
             bad = [w for w in range(sc.min_workers, sc.max_workers + 1) if total % w]
             if bad:
-                out.append(
-                    f"scaling.num_workers: an elastic run keeps its global batch (data.batch_size"
-                    f" x train.grad_accum x max workers) by accumulating more on fewer workers; "
-                    f"{bad} worker(s) cannot divide train.grad_accum x max = {total}: use a "
-                    "range such as [1, 2], or raise train.grad_accum until every count divides it"
-                )
+                out.append(elastic_problem(self, bad))
         from raylift.strategies import config_problems  # late: the strategies import torch
 
         out += config_problems(self)
@@ -269,6 +264,31 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def elastic_accum(cfg: Config, world: int) -> int:
+    """Micro-batches each of ``world`` workers accumulates per optimizer step.
+
+    ``data.batch_size x train.grad_accum x max workers`` is an elastic run's global
+    batch; at fewer workers the run accumulates more micro-batches, so the learning
+    dynamics do not change with a resize. Fixed-size runs keep ``train.grad_accum``.
+    """
+    if not cfg.scaling.elastic:
+        return cfg.train.grad_accum
+    total = cfg.train.grad_accum * cfg.scaling.max_workers
+    if total % world:
+        raise ConfigError([elastic_problem(cfg, [world])])
+    return total // world
+
+
+def elastic_problem(cfg: Config, bad: list[int]) -> str:
+    total = cfg.train.grad_accum * cfg.scaling.max_workers
+    return (
+        "scaling.num_workers: an elastic run keeps its global batch (data.batch_size"
+        " x train.grad_accum x max workers) by accumulating more on fewer workers; "
+        f"{bad} worker(s) cannot divide train.grad_accum x max = {total}: use a "
+        "range such as [1, 2], or raise train.grad_accum until every count divides it"
+    )
 
 
 # ---------------------------------------------------------------- building from dicts

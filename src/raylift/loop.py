@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from raylift.checkpoint import Checkpointer, LoopState
-from raylift.config import Config, EarlyStoppingConfig
+from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
 from raylift.metrics import PhaseClock, StepTimes, all_reduce_max, all_reduce_sum, peak_flops
@@ -39,7 +39,6 @@ __all__ = [
     "Trainer",
     "WorkerContext",
     "early_stop_update",
-    "elastic_accum",
     "seed_everything",
 ]
 
@@ -77,31 +76,6 @@ def early_stop_update(
     else:
         state.bad_evals += 1
     return state.bad_evals >= cfg.patience
-
-
-def elastic_accum(cfg: Config, world: int) -> int:
-    """Accumulation that keeps an elastic run's global batch at its size at max workers.
-
-    ``data.batch_size x train.grad_accum x max workers`` is the global batch; at ``world``
-    workers the run accumulates more micro-batches, so the learning dynamics do not
-    change with a resize. Fixed-size runs keep ``train.grad_accum`` as it is.
-    """
-    if not cfg.scaling.elastic:
-        return cfg.train.grad_accum
-    total = cfg.train.grad_accum * cfg.scaling.max_workers
-    if total % world:
-        raise ValueError(elastic_problem(cfg, world))
-    return total // world
-
-
-def elastic_problem(cfg: Config, world: int) -> str:
-    return (
-        f"scaling.num_workers: at {world} workers the global batch (data.batch_size x "
-        f"train.grad_accum x {cfg.scaling.max_workers} max workers) cannot stay the same: "
-        f"{world} does not divide train.grad_accum x max workers "
-        f"({cfg.train.grad_accum * cfg.scaling.max_workers}); pick a range whose worker "
-        "counts all divide it, e.g. [1, 2], or raise train.grad_accum"
-    )
 
 
 def apply_compile(model: torch.nn.Module, task: Task) -> None:

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from raylift.config import ConfigError, flatten, load_config, parse_overrides
+from raylift.config import ConfigError, elastic_accum, flatten, load_config, parse_overrides
+from tests.helpers import make_config
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -108,3 +109,12 @@ def test_flatten() -> None:
         "a.c.d": [1, 2],
         "e": {},
     }
+
+
+def test_elastic_runs_keep_the_global_batch_by_accumulating_more() -> None:
+    cfg = make_config(scaling={"num_workers": [1, 4]}, train={"grad_accum": 3})
+    assert [elastic_accum(cfg, w) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
+    fixed = make_config(scaling={"num_workers": 2}, train={"grad_accum": 3})
+    assert elastic_accum(fixed, 1) == 3  # a fixed-size run keeps what the config says
+    with pytest.raises(ConfigError, match=r"\[2\] worker\(s\) cannot divide"):
+        make_config(scaling={"num_workers": [1, 3]})

@@ -281,15 +281,3 @@ def test_data_wait_frac_is_the_share_of_step_time_spent_waiting_for_batches(
     waits = list(tracker.series("data_wait_frac").values())
     assert len(waits) == 3
     assert all(low <= w <= high for w in waits), waits
-
-
-def test_elastic_runs_keep_the_global_batch_by_accumulating_more() -> None:
-    from raylift.config import ConfigError
-    from raylift.loop import elastic_accum
-
-    cfg = make_config(scaling={"num_workers": [1, 4]}, train={"grad_accum": 3})
-    assert [elastic_accum(cfg, w) for w in (1, 2, 3, 4)] == [12, 6, 4, 3]
-    fixed = make_config(scaling={"num_workers": 2}, train={"grad_accum": 3})
-    assert elastic_accum(fixed, 1) == 3  # a fixed-size run keeps what the config says
-    with pytest.raises(ConfigError, match=r"\[2\] worker\(s\) cannot divide"):
-        make_config(scaling={"num_workers": [1, 3]})

@@ -16,7 +16,8 @@ CASES = {
     "plain": ([], "compute-bound"),
     # Logging (a host sync, two collectives and an MLflow write) after every step.
     "sync": (["train.log_every_n_steps=1"], "host-sync-bound"),
-    # A 15 ms host transform per batch and no prefetching: the step waits for it.
+    # A 50 ms host transform per batch and no prefetching: the step waits for it (a
+    # step of this model takes 20-150 ms on CPUs, so the wait is 25-70% of it).
     "input": (
         ["task=tests.bottlenecks:SlowInputDigits", "data.prefetch_batches=0"],
         "input-bound",
@@ -29,7 +30,7 @@ class SlowInputDigits(DigitsTask):
     decoder or augmentation. It sleeps, holding no core, so only how the loader overlaps
     it with the step decides how long the step waits."""
 
-    def __init__(self, delay_ms: float = 15.0, **kwargs: object):
+    def __init__(self, delay_ms: float = 50.0, **kwargs: object):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.delay = delay_ms / 1000.0
 

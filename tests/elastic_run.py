@@ -7,6 +7,10 @@ first checkpoint exists the second node is removed (its worker dies with it): th
 run restarts on 1 worker from that checkpoint. Once that smaller run has written a
 checkpoint of its own, a node joins again and the run grows back to 2. Prints the
 world sizes and global batches the run logged, one per line, and its final step.
+
+Until the run has grown back, every batch waits while a hold file exists: the run
+cannot finish before the cluster changes however fast this machine trains, and once
+the hold is lifted the rest of it runs at full speed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from raylift.tasks.digits import DigitsTask
+
+Columns = dict[str, np.ndarray]
+
 REPO = Path(__file__).resolve().parents[1]
+EPOCHS = 30
+HOLD_S = 0.05  # per batch while held: sets a floor on the run's length, not a duration
+
+
+class HeldDigits(DigitsTask):
+    """Digits whose batches wait ``HOLD_S`` while the file ``hold`` exists."""
+
+    def __init__(self, hold: str = "", **kwargs: Any):
+        super().__init__(**kwargs)
+        self.hold = Path(hold)
+
+    def transform(self, batch: Columns, rng: np.random.Generator) -> Columns:
+        if self.hold.exists():
+            time.sleep(HOLD_S)
+        return batch
 
 
 def checkpoints(runs: Path) -> list[int]:
@@ -33,25 +58,41 @@ def wait_for(what: str, done: Any, timeout: float = 300) -> None:
         time.sleep(0.25)
 
 
-def lose_a_node_then_add_one(cluster: Any, node: Any, runs: Path, run: threading.Thread) -> None:
+def lose_a_node_then_add_one(
+    cluster: Any, node: Any, runs: Path, run: threading.Thread, hold: Path
+) -> None:
     wait_for("the first checkpoint", lambda: checkpoints(runs) or not run.is_alive())
     at_loss = max(checkpoints(runs), default=0)
     cluster.remove_node(node)
     print(f"removed a node after checkpoint step {at_loss}", flush=True)
-    wait_for("a checkpoint of the smaller run", lambda: 1 in worlds(runs) or not run.is_alive())
+    seen: dict[int, int] = {}
+    wait_for(
+        "a checkpoint of the smaller run", lambda: 1 in worlds(runs, seen) or not run.is_alive()
+    )
     cluster.add_node(num_cpus=1)
     print("added a node", flush=True)
+    wait_for(
+        "a checkpoint of the regrown run", lambda: grown(worlds(runs, seen)) or not run.is_alive()
+    )
+    hold.unlink()
+    print("lifted the hold", flush=True)
 
 
-def worlds(runs: Path) -> set[int]:
-    """World sizes that wrote the run's complete checkpoints."""
+def grown(seen: dict[int, int]) -> bool:
+    """A checkpoint at 2 workers came after the last one at 1."""
+    return seen.get(2, 0) > seen.get(1, 0) > 0
+
+
+def worlds(runs: Path, seen: dict[int, int]) -> dict[int, int]:
+    """``seen`` updated with the last step each world size wrote a complete checkpoint at
+    (old checkpoints are pruned, so it keeps what earlier calls saw)."""
     import torch
 
-    found = set()
     for done in runs.glob("elastic/checkpoint-step*/complete-rank0.json"):
         state = torch.load(done.parent / "loop_state.pt", weights_only=True)
-        found.add(int(state["world_size"]))
-    return found
+        world, step = int(state["world_size"]), int(done.parent.name[15:])
+        seen[world] = max(seen.get(world, 0), step)
+    return seen
 
 
 def main(work: Path) -> None:
@@ -68,14 +109,18 @@ def main(work: Path) -> None:
     extra = cluster.add_node(num_cpus=1)
     os.environ["RAY_ADDRESS"] = cluster.address
     runs = work / "runs"
+    hold = work / "hold"
+    hold.touch()
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
         [
             "name=elastic",
+            "task=tests.elastic_run:HeldDigits",
+            f"task_args.hold={hold}",
             "scaling.num_workers=[1,2]",
             "scaling.resize_interval_s=2",
             "train.max_failures=4",
-            "train.max_epochs=100",
+            f"train.max_epochs={EPOCHS}",
             "train.early_stopping=null",
             "checkpoint.every_n_steps=20",
             "train.log_every_n_steps=10",
@@ -91,7 +136,7 @@ def main(work: Path) -> None:
     outcome: dict[str, object] = {}
     run = threading.Thread(target=lambda: outcome.update(result=train(cfg)), daemon=True)
     run.start()
-    lose_a_node_then_add_one(cluster, extra, runs, run)
+    lose_a_node_then_add_one(cluster, extra, runs, run, hold)
     run.join()
     ray.shutdown()
     cluster.shutdown()

@@ -249,13 +249,10 @@ class Config:
         out += config_problems(self)
         if not self.name or "/" in self.name:
             out.append(f"name: must be a non-empty name without '/', got {self.name!r}")
-        from raylift.precision import PRECISIONS  # late: it imports torch
+        from raylift.precision import ACCEPTED  # late: it imports torch
 
-        if self.precision not in PRECISIONS:
-            out.append(
-                f"precision: unknown precision {self.precision!r}; "
-                f"choose one of {tuple(PRECISIONS)}"
-            )
+        if self.precision not in ACCEPTED:
+            out.append(f"precision: unknown precision {self.precision!r}; choose one of {ACCEPTED}")
         if not self.storage:
             out.append("storage: must be a local path or a URI such as s3://bucket/runs")
         from raylift.tasks import task_problems  # late: tasks import torch

@@ -418,7 +418,11 @@ def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
         )
     from raylift.tasks import build_task
 
-    diagnosis = diagnose(result.metrics, cfg, build_task(cfg.task, cfg.task_args))
+    # Judged as it ran (``auto`` resolved), with the user's own run settings.
+    ran = dataclasses.replace(
+        cfg, precision=result.config.precision, strategy=result.config.strategy
+    )
+    diagnosis = diagnose(result.metrics, ran, build_task(cfg.task, cfg.task_args))
     out = folder or Path(tempfile.mkdtemp(prefix="raylift-doctor-"))
     out.mkdir(parents=True, exist_ok=True)
     chart = draw_chart(diagnosis, result.metrics, out / "breakdown.png")

@@ -1,7 +1,8 @@
 """Config -> Ray Train ``TorchTrainer`` -> fit. The driver side of ``raylift train``.
 
 What is the same for every rank is settled here, once: the shards are checked (or
-prepared), ``strategy: auto`` is resolved, the MLflow run is opened. The workers get
+prepared), ``strategy: auto`` and ``precision: auto`` are resolved, the MLflow run is
+opened. The workers get
 it all in one :class:`~raylift.worker.RunSpec`.
 """
 
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from raylift import storage, tracking
-from raylift.config import Config
+from raylift.config import AUTO, Config, ConfigError
+from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
 from raylift.tasks import BUILTINS
 from raylift.worker import SPEC_KEY, RunSpec, worker_main
@@ -48,6 +50,7 @@ class TrainResult:
     run_id: str
     tracking_uri: str
     seconds: float
+    config: Config  # as it ran: ``auto`` resolved
 
 
 # ---------------------------------------------------------------- driver
@@ -191,7 +194,7 @@ def train(
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     shards, cache = prepare_data(cfg, log)
-    cfg = resolve_strategy(cfg, log)
+    cfg = resolve_auto(cfg, log)
     tags = dict(extra_tags or {})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -207,7 +210,7 @@ def train(
         tracking.end_run(uri, run_id, "FAILED", final)
         raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
     tracking.end_run(uri, run_id, "FINISHED", final)
-    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started)
+    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
 
 
 def prepare_data(cfg: Config, log: Any = print) -> tuple[str, dict[str, list[Any]] | None]:
@@ -221,10 +224,7 @@ def prepare_data(cfg: Config, log: Any = print) -> tuple[str, dict[str, list[Any
     connect_ray(cfg)
     cache = cache_in_object_store(manifest, log) if cfg.data.cache else None
     counts = {s: manifest.rows(s) for s in manifest.splits}
-    log(
-        f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} "
-        f"worker(s), precision {cfg.precision}"
-    )
+    log(f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} worker(s)")
     return manifest.root, cache
 
 
@@ -245,48 +245,84 @@ def fit(trainer: Any, spec: RunSpec) -> Any:
     return result
 
 
-# ---------------------------------------------------------------- strategy: auto
+# ---------------------------------------------------------------- auto
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFacts:
+    """What one worker-shaped slot of the cluster has: the ``auto`` settings' inputs."""
+
+    memory: int  # bytes one worker may use: its GPU's, or its share of its host's
+    device: DeviceFacts
+
+
+def resolve_auto(cfg: Config, log: Any = print, facts: WorkerFacts | None = None) -> Config:
+    """``cfg`` with ``strategy: auto`` and ``precision: auto`` replaced by what they
+    resolve to, once for the run, from one worker slot's facts (measured when not given)."""
+    if AUTO in (cfg.strategy.name, cfg.precision) and facts is None:
+        facts = worker_facts(cfg)
+    cfg = resolve_auto_precision(cfg, log, facts)
+    return resolve_strategy(cfg, log, facts.memory if facts else None)
+
+
+def resolve_auto_precision(cfg: Config, log: Any, facts: WorkerFacts | None) -> Config:
+    from raylift.strategies import config_problems
+
+    if cfg.precision != AUTO or facts is None:
+        log(f"raylift: precision {cfg.precision}")
+        return cfg
+    name, why = choose(facts.device)
+    resolved = dataclasses.replace(cfg, precision=name)
+    refused = config_problems(resolved)
+    if refused:  # e.g. a strategy that cannot scale fp16 losses: fp32 always trains
+        name, why = "32", refused[0]
+        resolved = dataclasses.replace(cfg, precision=name)
+        if config_problems(resolved):
+            raise ConfigError([f"precision: auto resolved to no precision this run accepts: {why}"])
+    log(f"raylift: precision auto -> {name} ({why})")
+    return resolved
 
 
 def resolve_strategy(cfg: Config, log: Any = print, memory: int | None = None) -> Config:
-    """``cfg`` with ``strategy: auto`` replaced by what it resolves to, once for the run.
+    """``cfg`` with ``strategy: auto`` replaced by what it resolves to.
 
     Planned at the smallest world size the run may have, so the choice fits at every
     size an elastic run passes through. ``memory`` is one worker's (measured on a
     worker-shaped slot of the cluster when not given)."""
-    from raylift.plan import resolve_auto
+    from raylift.plan import resolve_auto as plan_auto
 
-    if cfg.strategy.name != "auto":
+    if cfg.strategy.name != AUTO:
         log(f"raylift: strategy {cfg.strategy.name}")
         return cfg
     world = cfg.scaling.min_workers
-    memory = worker_memory(cfg) if memory is None else memory
-    strategy = resolve_auto(cfg, world, memory)
+    memory = worker_facts(cfg).memory if memory is None else memory
+    strategy = plan_auto(cfg, world, memory)
     log(f"raylift: strategy auto -> {strategy} ({memory / 2**30:.1f} GiB per worker)")
     return dataclasses.replace(cfg, strategy=strategy)
 
 
-def worker_memory(cfg: Config) -> int:
-    """Memory one worker may use: its GPU's, or its share of its node's host memory."""
+def worker_facts(cfg: Config) -> WorkerFacts:
+    """Measured by a task placed like a worker: on a GPU node when the run uses GPUs."""
     import ray
 
     sc = cfg.scaling
-    probe = ray.remote(_worker_memory).options(num_cpus=0.01, num_gpus=1 if sc.use_gpu else 0)
-    return int(ray.get(probe.remote(sc.use_gpu, sc.min_workers, sc.cpus_per_worker)))
+    probe = ray.remote(_worker_facts).options(num_cpus=0.01, num_gpus=1 if sc.use_gpu else 0)
+    return ray.get(probe.remote(sc.use_gpu, sc.min_workers, sc.cpus_per_worker))
 
 
-def _worker_memory(use_gpu: bool, world: int, cpus_per_worker: float) -> int:
+def _worker_facts(use_gpu: bool, world: int, cpus_per_worker: float) -> WorkerFacts:
     import psutil
     import ray
 
+    device = DeviceFacts.here(use_gpu)
     if use_gpu:
         import torch
 
-        return int(torch.cuda.get_device_properties(0).total_memory)
+        return WorkerFacts(int(torch.cuda.get_device_properties(0).total_memory), device)
     here = ray.get_runtime_context().get_node_id()
     cpus = next(n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == here)
     per_node = max(1, min(world, int(cpus // cpus_per_worker)))  # CPU workers share the host
-    return int(psutil.virtual_memory().total // per_node)
+    return WorkerFacts(int(psutil.virtual_memory().total // per_node), device)
 
 
 def _nonfinite_message(cfg: Config, metrics: dict[str, float], ckpt: str | None) -> str:

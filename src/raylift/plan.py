@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from raylift.config import Config, StrategyConfig
-from raylift.precision import resolve_precision
+from raylift.precision import DeviceFacts, Precision, resolve_precision
 from raylift.strategies import PlanRow, config_problems, plan_row, plan_rows
 
 # Share of memory a plan may fill: the rest is the allocator's cache, fragmentation,
@@ -49,6 +49,14 @@ class Plan:
     grad_accum: int
 
 
+def planned_precision(cfg: Config) -> Precision:
+    """The precision a run of ``cfg`` would use. ``auto`` is resolved for an Ampere or
+    newer GPU where the run uses GPUs (the plan may be made on a laptop without one),
+    and for this host's CPU otherwise."""
+    gpu = DeviceFacts("cuda", "GPU", (8, 0)) if cfg.scaling.use_gpu else None
+    return resolve_precision(cfg.precision, gpu)
+
+
 def optimizer_slots(cfg: Config) -> int:
     """Tensors of optimizer state per parameter: Adam's two moments, SGD's momentum."""
     if cfg.optim.name == "sgd":
@@ -59,7 +67,7 @@ def optimizer_slots(cfg: Config) -> int:
 def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds on the device."""
     row = plan_row(label)
-    width = resolve_precision(cfg.precision).param_dtype.itemsize
+    width = planned_precision(cfg).param_dtype.itemsize
     optimizer = n_params * width * optimizer_slots(cfg)
     if row.fp32_master:
         optimizer += n_params * 4
@@ -83,7 +91,7 @@ def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpoi
     from raylift.tasks.base import blocks_of
 
     task = build_task(cfg.task, cfg.task_args)
-    dtype = resolve_precision(cfg.precision).compute_dtype
+    dtype = planned_precision(cfg).compute_dtype
     with torch.device("meta"):
         model = task.build_model().to(dtype)
     if checkpointing:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.elastic_run import EPOCHS
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,6 +36,7 @@ def test_an_elastic_run_shrinks_when_a_node_goes_and_grows_when_one_comes(tmp_pa
     assert batches == {64}  # 32 x 2 accumulated on 1 worker, 32 x 1 on each of 2
     restarts = [line for line in out.splitlines() if line.startswith("restart ")]
     assert "2 -> 1 workers" in restarts[0] and "1 -> 2 workers" in restarts[-1], restarts
+    assert "lifted the hold" in out  # the run finished after it grew back, not before
     final = next(line for line in out.splitlines() if line.startswith("final step"))
-    assert int(final.split()[2]) == 100 * (1438 // 64)  # every planned step, at either size
+    assert int(final.split()[2]) == EPOCHS * (1438 // 64)  # every planned step, at either size
     assert float(final.split()[-1]) > 0.9

@@ -68,7 +68,7 @@ def test_every_problem_is_reported_at_once() -> None:
     ):
         assert any(p.startswith(key) for p in found), key
     assert "did you mean 'max_epochs'" in joined
-    assert "('32', '16-mixed', 'bf16-mixed', 'bf16-true')" in joined
+    assert "('auto', '32', '16-mixed', 'bf16-mixed', 'bf16-true')" in joined
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from raylift.launch import local_num_cpus, resolve_strategy, run_exists, user_code_env
+from raylift.launch import (
+    WorkerFacts,
+    local_num_cpus,
+    resolve_auto,
+    resolve_strategy,
+    run_exists,
+    user_code_env,
+)
 from raylift.plan import GIB
+from raylift.precision import DeviceFacts
 from raylift.probe import ProbeSettings
 from raylift.worker import RunSpec
 from tests.helpers import make_config
@@ -31,6 +39,31 @@ def test_a_named_strategy_passes_through_without_asking_the_cluster() -> None:
     said: list[str] = []
     assert resolve_strategy(cfg, said.append) is cfg
     assert said == ["raylift: strategy fsdp"]
+
+
+OLD_GPU = DeviceFacts("cuda", "Tesla V100", (7, 0))
+
+
+def test_precision_auto_is_resolved_once_for_the_workers_device_and_said() -> None:
+    cfg = make_config(precision="auto")
+    said: list[str] = []
+    facts = WorkerFacts(64 * GIB, DeviceFacts("cuda", "H100", (9, 0)))
+    assert resolve_auto(cfg, said.append, facts).precision == "bf16-mixed"
+    assert said[0] == (
+        "raylift: precision auto -> bf16-mixed (H100 (compute capability 9.0) "
+        "has bf16 tensor cores)"
+    )
+    assert resolve_auto(cfg, said.append, WorkerFacts(GIB, OLD_GPU)).precision == "16-mixed"
+
+
+def test_precision_auto_steps_around_what_the_strategy_refuses() -> None:
+    cfg = make_config(precision="auto", strategy={"name": "fairscale"})
+    said: list[str] = []
+    assert resolve_auto(cfg, said.append, WorkerFacts(GIB, OLD_GPU)).precision == "32"
+    assert (
+        "precision auto -> 32 (precision: '16-mixed' is not supported with strategy 'fairscale'"
+        in said[0]
+    )
 
 
 def test_the_run_spec_is_one_typed_object_that_pickles() -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylift.config import Config, merge
+from raylift.config import AUTO, Config, merge
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import apply_activation_checkpointing
@@ -120,8 +120,10 @@ def problems(cfg: Config) -> list[str]:
         ]
     if s.offload_param and s.zero_stage != 3:
         out.append("strategy.offload_param: needs strategy.zero_stage: 3")
-    precision = PRECISIONS.get(cfg.precision)  # an unknown name is the config's to report
-    if cfg.train.on_nan == "skip" and precision is not None and not precision.use_scaler:
+    precision = PRECISIONS.get(cfg.precision)
+    # auto may pick an unscaled precision; an unknown name is the config's to report.
+    scaled = precision.use_scaler if precision else cfg.precision != AUTO
+    if cfg.train.on_nan == "skip" and not scaled:
         out.append(
             "train.on_nan: 'skip' with deepspeed relies on DeepSpeed's fp16 loss scaler, which "
             "skips non-finite steps; set precision: 16-mixed, or train.on_nan: stop"

@@ -127,17 +127,20 @@ def make_trainer(
     data: dict | None = None,
     device: torch.device | None = None,
     now: Any = None,
+    source: Any = None,
 ) -> Trainer:
+    """A trainer on in-memory ``data`` (the task's own when not given), or on ``source``."""
     task = build_task(cfg.task, cfg.task_args)
-    data = data or tensors(task)
-    source = TensorSource(
-        data["train"],
-        data["val"],
-        rank,
-        world,
-        cfg.data.batch_size,
-        cfg.data.eval_batch_size or cfg.data.batch_size,
-    )
+    if source is None:
+        data = data or tensors(task)
+        source = TensorSource(
+            data["train"],
+            data["val"],
+            rank,
+            world,
+            cfg.data.batch_size,
+            cfg.data.eval_batch_size or cfg.data.batch_size,
+        )
     ctx = WorkerContext(
         rank=rank,
         world_size=world,

@@ -72,15 +72,17 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _run_error(exc: Exception) -> int:
-    """A run that could not start (bad shards: exit 2) or that failed (exit 1)."""
+    """A run that could not start (bad data or shards: exit 2) or that failed (exit 1)."""
     from raylift.data.shards import ShardError
+    from raylift.data.sources import SourceError
 
     print(f"raylift: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT if isinstance(exc, ShardError) else EXIT_FAILED
+    return EXIT_BAD_INPUT if isinstance(exc, (ShardError, SourceError)) else EXIT_FAILED
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
+    from raylift.data.sources import SourceError
     from raylift.doctor import run_doctor
     from raylift.launch import RunFailed
 
@@ -90,7 +92,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         result = run_doctor(cfg, args.steps)
-    except (ShardError, RunFailed) as exc:
+    except (ShardError, SourceError, RunFailed) as exc:
         return _run_error(exc)
     print(result.render())
     where = result.folder or "MLflow only (remote storage)"
@@ -111,6 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_prep(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError, prep, shard_root
+    from raylift.data.sources import SourceError
     from raylift.launch import connect_ray
     from raylift.tasks import build_task
 
@@ -119,7 +122,7 @@ def cmd_prep(args: argparse.Namespace) -> int:
     root, _ = shard_root(cfg, task)
     try:
         result = prep(cfg, task, root, force=args.force, connect=lambda: connect_ray(cfg))
-    except ShardError as exc:
+    except (ShardError, SourceError) as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     m = result.manifest
@@ -188,12 +191,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
+    from raylift.data.sources import SourceError
     from raylift.launch import RunFailed, train
 
     cfg = load_config(args.config, args.overrides)
     try:
         result = train(cfg)
-    except (ShardError, RunFailed) as exc:
+    except (ShardError, SourceError, RunFailed) as exc:
         return _run_error(exc)
     shown = "  ".join(
         f"{k} {v:.4f}"

@@ -116,10 +116,11 @@ def activations_per_sample(cfg: Config, checkpointing: bool) -> int:
     from raylift.tasks import build_task
 
     task = build_task(cfg.task, cfg.task_args)
-    cols = next(iter(task.sources().values()))
-    sample = task.preprocess({k: v[:8] for k, v in cols.items()})
-    one = {k: torch.from_numpy(v[:1].copy()) for k, v in sample.items()}
-    two = {k: torch.from_numpy(v[:2].copy()) for k, v in sample.items()}
+    from raylift.data.sources import sample
+
+    sample_rows = task.preprocess(sample(task.sources()["train"], 8))
+    one = {k: torch.from_numpy(v[:1].copy()) for k, v in sample_rows.items()}
+    two = {k: torch.from_numpy(v[:2].copy()) for k, v in sample_rows.items()}
     return max(
         saved_activation_bytes(cfg, two, checkpointing)
         - saved_activation_bytes(cfg, one, checkpointing),

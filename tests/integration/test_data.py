@@ -178,3 +178,176 @@ def test_streaming_memory_does_not_grow_with_the_corpus(ray_cluster: str, tmp_pa
     # A whole epoch streamed: memory beyond start-up stays far below the data's size.
     assert big_rss < 0.25 * data_bytes, grown
     assert big_rss < small_rss + 16 * 2**20, grown
+
+
+# ---------------------------------------------------------------- sources from Ray Data readers
+
+
+def shard_rows(root: Path, split: str) -> list[tuple[int, bytes]]:
+    """A split's rows as sorted (label, image bytes): its content, whatever its order."""
+    store = ParquetStore(open_shards(str(root), None))
+    manifest = open_shards(str(root), None)
+    rows = []
+    for i in range(sum(len(f.groups) for f in manifest.splits[split])):
+        group = store.read(split, i)
+        rows += [
+            (int(lab), img.tobytes())
+            for lab, img in zip(group["label"], group["image"], strict=True)
+        ]
+    return sorted(rows)
+
+
+def test_a_read_parquet_source_preps_the_same_rows_as_in_memory_columns(
+    digits_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.corpora import write_digits_parquet
+
+    raw = write_digits_parquet(tmp_path / "raw")
+    out = tmp_path / "shards"
+    args = [f"data.shards={out}", "task=tests.corpora:ParquetDigits", f"task_args.root={raw}"]
+    assert cli_main(["prep", str(QUICKSTART), *args]) == 0
+    said = capsys.readouterr().out
+    assert "prep wrote split 'train'" in said and "MiB/s" in said
+    assert "shuffles split 'train'" in said  # which shuffle it chose, and why
+    for split in ("train", "val"):
+        assert shard_rows(out, split) == shard_rows(digits_shards, split), split
+
+
+def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    from raylift.tasks.gpt import SEP
+    from tests.corpora import documents, write_jsonl
+
+    corpus = write_jsonl(tmp_path / "corpus", 120, field="body")
+    args = [
+        f"data.shards={tmp_path / 'shards'}",
+        "task=gpt",
+        f"task_args={{corpus: '{corpus}/*.jsonl', text_field: body, block_size: 32, "
+        "val_percent: 20, n_layer: 1, d_model: 32, n_head: 2}",
+    ]
+    assert cli_main(["prep", str(QUICKSTART), *args]) == 0
+    manifest = open_shards(str(tmp_path / "shards"), None)
+    store = ParquetStore(manifest)
+    text = SEP.join(d.encode() for d in documents(120))
+    windows = np.concatenate([store.read("val", 0)["tokens"], store.read("train", 0)["tokens"]])
+    assert windows.dtype == np.uint8 and windows.shape[1] == 33
+    # Every window is text of the corpus; documents never run into each other unmarked.
+    assert all(bytes(w[w != 0])[:16] in text for w in windows[:50])
+    val, train = manifest.rows("val"), manifest.rows("train")
+    assert 0.05 < val / (val + train) < 0.4  # 20% of the documents, by hash
+
+
+@pytest.mark.parametrize(
+    "task_args, named",
+    [
+        ("{corpus: '%s/corpus', text_field: text}", "task_args.text_field"),  # rows have 'body'
+        ("{corpus: '%s/nowhere'}", "does not exist"),
+        ("{corpus: '%s/empty'}", "holds no files"),
+        ("{corpus: '%s/mixed'}", "mixes text files with JSONL"),
+    ],
+)
+def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
+    ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str], task_args: str, named: str
+) -> None:
+    tmp_path = in_tmp
+    from tests.corpora import write_jsonl
+
+    write_jsonl(tmp_path / "corpus", 12, field="body")
+    (tmp_path / "empty").mkdir()
+    write_jsonl(tmp_path / "mixed", 6)
+    (tmp_path / "mixed" / "notes.txt").write_text("plain text")
+    args = [f"storage={tmp_path / 'runs'}", "task=gpt", f"task_args={task_args % tmp_path}"]
+    assert cli_main(["train", str(QUICKSTART), *args]) == 2
+    err = capsys.readouterr().err
+    assert named in err and str(tmp_path) in err, err
+    assert not list((tmp_path / "runs").rglob("*.parquet"))  # nothing half-written
+
+
+# ---------------------------------------------------------------- the images task
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.corpora import write_image_folder
+
+    return write_image_folder(tmp_path_factory.mktemp("images") / "shapes", per_class=40, size=24)
+
+
+IMAGES = "{root: '%s', image_size: 16, width: 8, val_percent: 20%s}"
+
+
+def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
+    ray_cluster: str, shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = shapes / "square" / "zz-broken.jpg"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 cut off")
+    try:
+        strict = [
+            f"data.shards={tmp_path / 'a'}",
+            "task=images",
+            f"task_args={IMAGES % (shapes, '')}",
+        ]
+        lenient = [f"data.shards={tmp_path / 'b'}", "task=images",
+                   f"task_args={IMAGES % (shapes, ', max_bad_fraction: 0.05')}"]  # fmt: skip
+        assert cli_main(["prep", str(QUICKSTART), *strict]) == 2  # 1 of ~120 > 1%
+        err = capsys.readouterr().err
+        assert str(bad) in err and "max_bad_fraction" in err, err
+        assert not (tmp_path / "a").exists()  # nothing half-written
+        assert cli_main(["prep", str(QUICKSTART), *lenient]) == 0
+        out = capsys.readouterr().out
+        assert "skipped 1 unreadable row(s)" in out and str(bad) in out, out
+    finally:
+        bad.unlink()
+    manifest = open_shards(str(tmp_path / "b"), None)
+    assert manifest.rows("train") + manifest.rows("val") == 120
+    assert "uint8" in manifest.schema["image"]
+
+
+def test_an_images_run_resumed_mid_epoch_continues_the_uninterrupted_curve(
+    ray_cluster: str, shapes: Path, tmp_path: Path
+) -> None:
+    import contextlib
+
+    import torch.distributed as dist
+
+    from raylift.config import config_from_dict, merge
+    from raylift.data.ingest import ShardSource
+    from tests.helpers import BASE, ListTracker, LocalReporter, init_pg, make_trainer
+
+    raw = {k: v for k, v in BASE.items() if k != "task_args"}
+    cfg = config_from_dict(
+        merge(raw, {
+            "task": "images",
+            "task_args": {"root": str(shapes), "image_size": 16, "width": 8, "val_percent": 20},
+            "data": {"batch_size": 16, "shards": str(tmp_path / "shards")},
+            "train": {"max_steps": 12, "max_epochs": 3, "log_every_n_steps": 1, "seed": 1},
+            "checkpoint": {"every_n_steps": 3},
+        })
+    )  # fmt: skip
+    task = build_task(cfg.task, cfg.task_args)
+    manifest = prep(cfg, task, str(tmp_path / "shards")).manifest
+
+    def run(where: Path, crash: int | None = None, restore: Path | None = None):  # type: ignore[no-untyped-def]
+        source = ShardSource(
+            ParquetStore(manifest), 0, 1, 16, 16, seed=1, prefetch_batches=2,
+            shuffle=True, transform=task.transform,
+        )  # fmt: skip
+        tracker, reporter = ListTracker(), LocalReporter(where, crash_after_step=crash)
+        trainer = make_trainer(cfg, 0, 1, reporter, tracker, source=source)
+        if restore is not None:
+            trainer.restore(restore)
+        with contextlib.suppress(KeyboardInterrupt):
+            trainer.run()
+        return tracker.series("train_loss"), reporter
+
+    init_pg(0, 1, str(tmp_path / "pg"))
+    try:
+        full, _ = run(tmp_path / "full")
+        cut, reporter = run(tmp_path / "cut", crash=3)  # 96 train rows: 6 steps per epoch
+        resumed, _ = run(tmp_path / "resumed", restore=reporter.checkpoints[-1])
+    finally:
+        dist.destroy_process_group()
+    assert max(cut) == 3 and min(resumed) == 4 and max(resumed) == 12  # across an epoch end
+    for step in range(4, 13):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step

@@ -76,3 +76,49 @@ def test_user_task_from_outside_the_repository(
     assert task_problems("mytask:Small", {"width": 2}) == []
     assert "takes no argument 'depth'" in task_problems("mytask:Small", {"depth": 2})[0]
     assert "has no class" in task_problems("mytask:Nope", {})[0]
+
+
+def test_a_corpus_is_a_folder_a_glob_or_a_file(tmp_path: Path) -> None:
+    from raylift.tasks.gpt import list_corpus
+
+    for name in ("a.txt", "b.txt", "c.md", "sub/d.txt", ".hidden.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(name)
+    root, files = list_corpus(str(tmp_path))
+    assert root == str(tmp_path) and [Path(f).name for f in files] == [
+        "a.txt",
+        "b.txt",
+        "c.md",
+        "d.txt",
+    ]
+    _, files = list_corpus(f"{tmp_path}/*.txt")
+    assert [Path(f).name for f in files] == ["a.txt", "b.txt", "d.txt"]  # * crosses folders
+    assert list_corpus(str(tmp_path / "c.md"))[1] == [str(tmp_path / "c.md")]
+
+
+def test_text_files_are_documents_with_a_separator_between_them(tmp_path: Path) -> None:
+    from raylift.tasks.gpt import SEP
+
+    (tmp_path / "a.txt").write_bytes(b"x" * 40)
+    (tmp_path / "b.txt").write_bytes(b"y" * 40)
+    task = GPTTask(corpus=str(tmp_path), block_size=16)
+    paths = np.array([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")])
+    tokens = task.preprocess({"path": paths})["tokens"]
+    joined = bytes(tokens[:, :-1].reshape(-1)) + bytes(tokens[-1:, -1])
+    assert joined == (b"x" * 40 + SEP + b"y" * 40)[: len(joined)]
+    assert (
+        task.preprocess({"doc": np.array([b"x" * 40, b"y" * 40], dtype=object)})["tokens"].tolist()
+        == tokens.tolist()
+    )
+
+
+def test_a_corpus_behind_a_uri_is_listed_and_read_through_its_filesystem(tmp_path: Path) -> None:
+    # file:// takes the object-store path (pyarrow filesystem from the URI) without a network.
+    for i in range(30):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n" * 20)
+    task = GPTTask(corpus=f"file://{tmp_path}", block_size=16, max_bytes=None, val_percent=20)
+    splits = task.sources()
+    paths = [*splits["train"]["path"], *splits["val"]["path"]]
+    assert len(paths) == 30 and all(p.startswith("file://") for p in paths)
+    tokens = task.preprocess({"path": splits["val"]["path"][:2]})["tokens"]
+    assert bytes(tokens[0][:9]) == b"document "

@@ -16,20 +16,40 @@ import hashlib
 import inspect
 import json
 import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from raylift.config import Config
+from raylift.data.sources import (
+    SPLITS,
+    Skipped,
+    Source,
+    SourceError,
+    as_dataset,
+    check_sources,
+    drop_bad_rows,
+    estimated_bytes,
+)
 from raylift.storage import filesystem, is_remote, join, resolve
 from raylift.tasks.base import Columns, Task
 
+if TYPE_CHECKING:
+    import ray.data
+
 FORMAT_VERSION = 1
 MANIFEST = "_raylift_manifest.json"
-SPLITS = ("train", "val")
 ROWS_PER_GROUP = 128  # the shuffle unit: small enough to mix well, big enough to read fast
 ROWS_PER_FILE = 16_384
 PREPROCESS_BATCH = 64
 SHUFFLE_SEED = 0  # the offline shuffle's; each epoch's order comes from train.seed
+# A full shuffle holds the split in the object store (and spills past it): only
+# splits of at most this share of it are shuffled whole.
+SHUFFLE_MEMORY_SHARE = 0.3
+SHUFFLE_WINDOW = 16_384  # rows shuffled together when the split is too big for a full shuffle
+PROGRESS_EVERY_S = 10.0
 
 
 class ShardError(ValueError):
@@ -263,35 +283,149 @@ def _clear(root: str) -> None:
     fs.create_dir(base, recursive=True)
 
 
-def _rows(cols: Columns) -> list[dict[str, Any]]:
-    n = len(next(iter(cols.values())))
-    return [{k: v[i] for k, v in cols.items()} for i in range(n)]
-
-
 def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     import ray
-    import ray.data
 
     sources = task.sources()
-    missing = [s for s in SPLITS if s not in sources]
-    if missing:
-        raise ValueError(f"task: sources() must return 'train' and 'val' splits, lacks {missing}")
+    check_sources(sources)
     cpus = int(ray.cluster_resources().get("CPU", 1))
+    budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
     for split in SPLITS:
-        cols = sources[split]
-        n = len(next(iter(cols.values())))
-        blocks = max(1, min(n // PREPROCESS_BATCH, 4 * cpus))
-        ds = ray.data.from_items(_rows(cols), override_num_blocks=blocks).map_batches(
-            task.preprocess, batch_format="numpy", batch_size=PREPROCESS_BATCH
-        )
-        if split == "train":
-            # One global shuffle offline, so each row group is a random sample of the data.
-            ds = ds.random_shuffle(seed=SHUFFLE_SEED)
-        ds.write_parquet(
-            join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
-        )
-        log(f"raylift: prep wrote split {split!r}")
+        skipped: Any = ray.remote(Skipped).options(num_cpus=0).remote()
+        ds = _split_dataset(task, sources[split], split, cpus, budget, log)
+        drop: Any = drop_bad_rows
+        ds = ds.map_batches(drop, fn_kwargs={"skipped": skipped}, batch_format="numpy")
+        with Progress(join(root, split), split, estimated_bytes(sources[split]), log):
+            ds.write_parquet(
+                join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
+            )
+        bad, examples = ray.get(skipped.summary.remote())
+        _check_skipped(task, root, split, bad, examples, log)
     return list(SPLITS)
+
+
+def _check_skipped(
+    task: Task, root: str, split: str, bad: int, examples: list[str], log: Any
+) -> None:
+    """Warn about rows ``preprocess`` could not use; past the task's share, stop."""
+    if not bad:
+        return
+    fs, base = filesystem(join(root, split))
+    import pyarrow.parquet as pq
+
+    kept = sum(
+        pq.ParquetFile(fs.open_input_file(i.path)).metadata.num_rows
+        for i in fs.get_file_info(_selector(base))
+        if i.path.endswith(".parquet")
+    )
+    share = bad / max(bad + kept, 1)
+    allowed = float(getattr(task, "max_bad_fraction", 0.0))
+    named = "; ".join(examples)
+    if share > allowed:
+        raise SourceError(
+            f"task: {bad} of {bad + kept} rows of split {split!r} ({share:.1%}) could not be "
+            f"read, more than task_args.max_bad_fraction={allowed:g} allows: {named}. Fix or "
+            "remove those files, or raise task_args.max_bad_fraction"
+        )
+    log(
+        f"raylift: warning: prep skipped {bad} unreadable row(s) of {split!r} ({share:.2%}): "
+        + named
+    )
+
+
+def _selector(base: str) -> Any:
+    import pyarrow.fs as pafs
+
+    return pafs.FileSelector(base, allow_not_found=True)
+
+
+def _split_dataset(
+    task: Task, source: Source, split: str, cpus: int, budget: float, log: Any
+) -> ray.data.Dataset:
+    """The split's rows, preprocessed on every CPU of the cluster and, for train, shuffled."""
+    ds = as_dataset(source, cpus)
+    size = estimated_bytes(source)
+    local = split == "train" and (size is None or size > budget)
+    if local:
+        # Too big to shuffle whole in the object store: files and blocks in a random
+        # order, then rows within windows of SHUFFLE_WINDOW.
+        ds = ds.randomize_block_order(seed=SHUFFLE_SEED)
+    ds = ds.map_batches(task.preprocess, batch_format="numpy", batch_size=PREPROCESS_BATCH)
+    if split != "train":
+        return ds
+    if local:
+        what = "not known before reading" if size is None else f"{size / 2**20:,.0f} MiB"
+        log(
+            f"raylift: prep shuffles split 'train' by file and block, then rows within "
+            f"windows of {SHUFFLE_WINDOW:,}: a full shuffle needs it to be at most "
+            f"{budget / 2**20:,.0f} MiB ({SHUFFLE_MEMORY_SHARE:.0%} of Ray's object store), "
+            f"and its size is {what}"
+        )
+        return ds.map_batches(_permute_rows, batch_format="numpy", batch_size=SHUFFLE_WINDOW)
+    log(f"raylift: prep shuffles split 'train' whole ({(size or 0) / 2**20:,.1f} MiB)")
+    # One global shuffle offline, so each row group is a random sample of the data.
+    return ds.random_shuffle(seed=SHUFFLE_SEED)
+
+
+def _permute_rows(batch: Columns) -> Columns:
+    n = len(next(iter(batch.values())))
+    # Seeded by the window's content, so a rerun of prep writes the same order.
+    first = next(iter(batch.values()))[:1].tobytes()
+    rng = np.random.default_rng([SHUFFLE_SEED, n, zlib.crc32(first)])
+    order = rng.permutation(n)
+    return {k: v[order] for k, v in batch.items()}
+
+
+class Progress:
+    """Prints how much of a split is written (MiB, files, rate, ETA) every
+    ``PROGRESS_EVERY_S`` while Ray Data writes it, and a summary when it is done."""
+
+    def __init__(self, folder: str, split: str, expected: int | None, log: Any):
+        import threading
+
+        self.folder, self.split, self.expected, self.log = folder, split, expected, log
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.started = time.perf_counter()
+
+    def __enter__(self) -> Progress:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+        if exc[0] is None:
+            files, size = self.written()
+            secs = time.perf_counter() - self.started
+            self.log(
+                f"raylift: prep wrote split {self.split!r}: {size / 2**20:,.1f} MiB in "
+                f"{files} file(s), {secs:.1f} s ({size / 2**20 / max(secs, 1e-9):,.1f} MiB/s)"
+            )
+
+    def written(self) -> tuple[int, int]:
+        import pyarrow.fs as pafs
+
+        fs, base = filesystem(self.folder)
+        try:
+            infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        except OSError:  # listing an object store can fail transiently: report later
+            return 0, 0
+        done = [i for i in infos if i.path.endswith(".parquet") and i.size is not None]
+        return len(done), sum(i.size for i in done)
+
+    def _run(self) -> None:
+        while not self.stop.wait(PROGRESS_EVERY_S):
+            files, size = self.written()
+            secs = time.perf_counter() - self.started
+            rate = size / max(secs, 1e-9)
+            eta = ""
+            if self.expected and rate > 0 and size < self.expected:
+                eta = f", about {(self.expected - size) / rate:,.0f} s left"
+            self.log(
+                f"raylift: prep split {self.split!r}: {size / 2**20:,.1f} MiB in {files} "
+                f"file(s) after {secs:.0f} s ({rate / 2**20:,.1f} MiB/s{eta})"
+            )
 
 
 def _scan(root: str, fp: str, splits: list[str]) -> Manifest:

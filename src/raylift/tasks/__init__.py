@@ -11,6 +11,7 @@ from raylift.tasks.base import Batch, Columns, Task
 BUILTINS = {
     "digits": "raylift.tasks.digits:DigitsTask",
     "gpt": "raylift.tasks.gpt:GPTTask",
+    "images": "raylift.tasks.images:ImagesTask",
 }
 
 __all__ = ["BUILTINS", "Batch", "Columns", "Task", "build_task", "resolve_task", "task_problems"]
@@ -60,13 +61,19 @@ def task_problems(spec: str, task_args: dict[str, Any]) -> list[str]:
     if missing:
         return [f"task: {spec!r} does not implement the Task protocol; missing {missing}"]
     params = inspect.signature(cls).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    return [
-        f"task_args.{key}: {spec!r} takes no argument {key!r}; it takes {sorted(params)}"
-        for key in task_args
-        if key not in params
-    ]
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = [
+            f"task_args.{key}: {spec!r} takes no argument {key!r}; it takes {sorted(params)}"
+            for key in task_args
+            if key not in params
+        ]
+        if unknown:
+            return unknown
+    try:  # the task's own checks of its arguments (constructors do no I/O)
+        cls(**task_args)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def build_task(spec: str, task_args: dict[str, Any]) -> Task:

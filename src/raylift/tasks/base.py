@@ -4,7 +4,9 @@ A task knows nothing about strategies, precision, Ray or MLflow. Its pieces run 
 three places:
 
 - ``sources`` and ``preprocess`` run offline in Ray Data (``map_batches``) on numpy
-  columns, and should leave data compact (uint8 images, small-int tokens);
+  columns, and should leave data compact (uint8 images, small-int tokens). A split's
+  source is numpy columns (small data) or a ``ray.data.Dataset`` from any of Ray Data's
+  readers (data of any size, local or in an object store; the driver never holds it);
 - ``finish`` runs on the worker's device on each batch (dtype casts, normalisation);
 - ``build_model``, ``loss`` and ``eval_sums`` run in the training loop.
 
@@ -18,7 +20,7 @@ belongs in ``preprocess``.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -36,8 +38,9 @@ class Task(Protocol):
         """A fresh model in fp32 on the CPU; raylift moves, wraps and casts it."""
         ...
 
-    def sources(self) -> dict[str, Columns]:
-        """Raw data per split (``train`` and ``val``) as numpy columns of equal length."""
+    def sources(self) -> dict[str, Any]:
+        """Raw data per split (``train`` and ``val``): numpy columns of equal length, or a
+        ``ray.data.Dataset`` (``ray.data.read_parquet(...)``, ``read_images``, ...)."""
         ...
 
     def preprocess(self, batch: Columns) -> Columns:

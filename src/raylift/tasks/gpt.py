@@ -1,26 +1,40 @@
-"""A byte-level decoder-only transformer trained on a local text corpus.
+"""A byte-level decoder-only transformer trained on a text corpus.
 
-The default corpus is the running Python's standard library (its ``.py`` files),
-which every machine has. Files are split into train and val by a hash of their
-relative path, so the split does not change with the file order or the machine.
-Tokens are bytes, stored as uint8 windows of ``block_size + 1``.
+``task_args.corpus`` is ``stdlib`` (the running Python's standard library, its ``.py``
+files, which every machine has: the default), or a folder, a glob or a file, local or
+in an object store (``s3://``, ``gs://``), of:
+
+- text files (any other extension): each file is a document;
+- JSONL (``.jsonl``, ``.json``) or parquet files: each row's ``text_field`` is a
+  document, read in parallel by Ray Data's readers.
+
+Documents go to train or val by a hash of their relative path (text files) or of
+their text (rows), so the split does not change with the file order or the machine.
+They are packed into uint8 windows of ``block_size + 1`` bytes, with a ``SEP`` byte
+between documents.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import sysconfig
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylift.data.sources import Source, SourceError
+from raylift.storage import filesystem, is_remote
 from raylift.tasks.base import Batch, Columns
 
 VOCAB = 256
+SEP = b"\x00"  # between documents: a byte that text almost never holds
+ROW_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 class Block(nn.Module):
@@ -92,6 +106,62 @@ def corpus_files(root: Path) -> list[Path]:
     )
 
 
+def list_corpus(spec: str) -> tuple[str, list[str]]:
+    """(root, files) for a folder, a glob or one file, local or remote: the files sorted,
+    as paths their filesystem opens, and the folder relative paths are taken against."""
+    import pyarrow.fs as pafs
+
+    fs, path = filesystem(spec)
+    wild = [path.find(c) for c in "*?[" if c in path]
+    root = path[: min(wild)].rsplit("/", 1)[0] if wild else path
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise SourceError(f"task_args.corpus: {spec} does not exist")
+    if info.type == pafs.FileType.File:
+        return root.rsplit("/", 1)[0], [root]
+    listed = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    files = sorted(
+        i.path
+        for i in listed
+        if i.type == pafs.FileType.File and not Path(i.path).name.startswith(".")
+    )
+    if wild:
+        files = [f for f in files if fnmatch.fnmatch(f, path)]
+    if not files:
+        raise SourceError(
+            f"task_args.corpus: {spec} holds no files; point it at text, JSONL or parquet files"
+        )
+    return root, files
+
+
+def _read(path: str) -> bytes:
+    fs, where = filesystem(str(path))
+    with fs.open_input_stream(where) as f:
+        return f.read()
+
+
+def _with_field(ds: Any, field: str, example: str) -> Any:
+    """``ds`` if its rows have ``field``; else SourceError naming the fields they have."""
+    names = ds.schema().names
+    if field not in names:
+        raise SourceError(
+            f"task_args.text_field: {example} has no field {field!r}; its fields are {names}. "
+            "Set task_args.text_field to the one that holds the text"
+        )
+    return ds
+
+
+def _documents(batch: Any, field: str) -> Any:
+    """One ``doc`` column of UTF-8 bytes from the text field (other columns dropped)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    text = batch.column(field)
+    if not pa.types.is_binary(text.type):
+        text = pc.cast(pc.cast(text, pa.string()), pa.binary())
+    return pa.table({"doc": text})
+
+
 class GPTTask:
     """Next-byte prediction; ``max_bytes`` caps the train text, val gets ``val_percent`` of it."""
 
@@ -105,6 +175,7 @@ class GPTTask:
         corpus: str = "stdlib",
         max_bytes: int | None = 2_000_000,
         val_percent: int = 5,
+        text_field: str = "text",
     ):
         if d_model % n_head:
             raise ValueError("task_args.d_model: must be divisible by task_args.n_head")
@@ -113,14 +184,8 @@ class GPTTask:
         self.block_size, self.n_layer = block_size, n_layer
         self.n_head, self.d_model = n_head, d_model
         self.dropout, self.corpus, self.max_bytes = dropout, corpus, max_bytes
-        self.val_percent = val_percent
+        self.val_percent, self.text_field = val_percent, text_field
         self.tokens_per_sample = block_size
-
-    def root(self) -> Path:
-        root = stdlib_root() if self.corpus == "stdlib" else Path(self.corpus).expanduser()
-        if not root.is_dir():
-            raise FileNotFoundError(f"task_args.corpus: {root} is not a folder of .py files")
-        return root
 
     def build_model(self) -> nn.Module:
         return GPT(
@@ -134,30 +199,86 @@ class GPTTask:
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]
 
-    def sources(self) -> dict[str, Columns]:
-        root = self.root()
-        splits: dict[str, list[str]] = {"train": [], "val": []}
-        sizes = {"train": 0, "val": 0}
-        caps = {
-            "train": self.max_bytes,
-            "val": None if self.max_bytes is None else self.max_bytes * self.val_percent // 100,
-        }
-        for path in corpus_files(root):
-            rel = path.relative_to(root).as_posix()
-            split = "val" if zlib.crc32(rel.encode()) % 100 < self.val_percent else "train"
-            cap = caps[split]
-            if cap is not None and sizes[split] >= cap:
-                continue
-            splits[split].append(str(path))
-            sizes[split] += path.stat().st_size
-        if not splits["train"] or not splits["val"]:
-            raise ValueError(
-                f"task_args.corpus: {root} has too few .py files for a train/val split"
+    def sources(self) -> dict[str, Source]:
+        if self.corpus == "stdlib":
+            root = str(stdlib_root())
+            files = [str(p) for p in corpus_files(stdlib_root())]
+        else:
+            root, files = list_corpus(self.corpus)
+        rows = [f for f in files if Path(f).suffix.lower() in ROW_FORMATS]
+        text = [f for f in files if f not in set(rows)]
+        if rows and text:
+            raise SourceError(
+                f"task_args.corpus: {self.corpus} mixes text files with JSONL/parquet files "
+                f"(e.g. {text[0]} and {rows[0]}); point it at one kind"
             )
-        return {k: {"path": np.array(v)} for k, v in splits.items()}
+        if rows:
+            return self._row_sources(rows)
+        return self._file_sources(root, text)
+
+    def _file_sources(self, root: str, files: list[str]) -> dict[str, Source]:
+        """Text files, one document each, split by their path; ``max_bytes`` caps train."""
+        fs, _ = filesystem(self.corpus if self.corpus != "stdlib" else root)
+        sizes = {i.path: i.size for i in fs.get_file_info(files)}
+        splits: dict[str, list[str]] = {"train": [], "val": []}
+        taken = {"train": 0, "val": 0}
+        cap = self.max_bytes
+        caps = {"train": cap, "val": None if cap is None else cap * self.val_percent // 100}
+        for path in files:
+            split = "val" if self._is_val(path[len(root) :].lstrip("/").encode()) else "train"
+            limit = caps[split]
+            if limit is not None and taken[split] >= limit:
+                continue
+            splits[split].append(path)
+            taken[split] += sizes[path] or 0
+        if not splits["train"] or not splits["val"]:
+            raise SourceError(
+                f"task_args.corpus: {self.corpus} has too few files ({len(files)}) for a "
+                f"train/val split of {self.val_percent}%"
+            )
+        # As URIs where remote: preprocess opens each from whichever node runs it.
+        return {k: {"path": np.array([self._uri(f) for f in v])} for k, v in splits.items()}
+
+    def _row_sources(self, files: list[str]) -> dict[str, Source]:
+        """JSONL or parquet rows, read in parallel by Ray Data; split by their text."""
+        import ray.data
+
+        field = self.text_field
+        paths = [self._uri(f) for f in files]
+        parquet = [f for f in paths if f.endswith(".parquet")]
+        jsonl = [f for f in paths if not f.endswith(".parquet")]
+        parts = []
+        if parquet:
+            parts.append(_with_field(ray.data.read_parquet(parquet), field, parquet[0]))
+        if jsonl:
+            parts.append(_with_field(ray.data.read_json(jsonl), field, jsonl[0]))
+        ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        docs = ds.map_batches(
+            _documents, fn_kwargs={"field": field}, batch_format="pyarrow", zero_copy_batch=True
+        )
+        return {
+            split: docs.filter(self._is_val_row if split == "val" else self._is_train_row)
+            for split in ("train", "val")
+        }
+
+    def _uri(self, path: str) -> str:
+        """A listed path as Ray Data's readers open it (the scheme back on remote ones)."""
+        if is_remote(self.corpus) and "://" not in path:
+            return self.corpus.split("://", 1)[0] + "://" + path
+        return path
+
+    def _is_val(self, key: bytes) -> bool:
+        return zlib.crc32(key) % 100 < self.val_percent
+
+    def _is_val_row(self, row: dict[str, Any]) -> bool:
+        return self._is_val(row["doc"][:4096])
+
+    def _is_train_row(self, row: dict[str, Any]) -> bool:
+        return not self._is_val(row["doc"][:4096])
 
     def preprocess(self, batch: Columns) -> Columns:
-        data = b"".join(Path(p).read_bytes() for p in batch["path"])
+        docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]
+        data = SEP.join(bytes(d) for d in docs)
         arr = np.frombuffer(data, dtype=np.uint8)
         width = self.block_size + 1
         n = max((len(arr) - 1) // self.block_size, 0)

@@ -1,0 +1,168 @@
+"""``raylift prep`` on a JSONL text corpus at two sizes 10x apart: throughput and driver memory.
+
+    python benchmarks/prep.py [--mb 200 2000] [--repeats 1] [--keep DIR]
+
+For each size, writes a deterministic JSONL corpus (documents cut from the standard
+library's sources, each made unique by its number; generation is not timed), starts
+one local Ray for the whole script, then times, interleaved per repeat:
+
+- raylift: ``raylift prep`` as its own process joined to that Ray (the ``gpt`` task
+  with ``corpus: DIR/*.jsonl``): Ray Data reads the files, packs the windows on every
+  CPU and writes the parquet shards. Its driver's peak RSS is sampled every 50 ms;
+  Ray's own processes are not the driver.
+- hand-written: a ``multiprocessing.Pool`` with one process per core, each taking whole
+  JSONL files, packing the same ``block_size + 1`` windows with the same separator and
+  writing parquet with the same row groups (no shuffle: it does less than prep).
+
+Prints MB/s (of JSONL read), rows/s (windows written) and peak driver RSS per size, the
+RSS ratio between the sizes (goal: within 1.2x) and raylift / hand-written throughput
+(goal: >= 0.8x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from machine import describe  # noqa: E402
+
+BLOCK = 128
+SEP = b"\x00"
+DOCS_PER_FILE_MB = 64  # each JSONL file about this size
+
+
+def write_corpus(folder: Path, megabytes: int) -> int:
+    """JSONL files of about ``megabytes`` MB in total; returns the bytes written."""
+    from raylift.tasks.gpt import corpus_files, stdlib_root
+
+    pieces = [p.read_text(errors="replace")[:6000] for p in corpus_files(stdlib_root())[:2000]]
+    folder.mkdir(parents=True, exist_ok=True)
+    target, written, n, part = megabytes * 2**20, 0, 0, 0
+    while written < target:
+        with open(folder / f"part-{part:05d}.jsonl", "w") as f:
+            size = 0
+            while size < DOCS_PER_FILE_MB * 2**20 and written + size < target:
+                line = json.dumps({"id": n, "text": f"# doc {n}\n" + pieces[n % len(pieces)]})
+                f.write(line + "\n")
+                size += len(line) + 1
+                n += 1
+        written += size
+        part += 1
+    return written
+
+
+def raylift_prep(corpus: Path, out: Path) -> tuple[float, int, int]:
+    """(seconds, rows, peak driver RSS bytes) of ``raylift prep`` on ``corpus``."""
+    args = [
+        sys.executable, "-m", "raylift.cli", "prep", str(REPO / "configs" / "gpt-tiny.yaml"),
+        f"data.shards={out}", "--force",
+        f"task_args={{corpus: '{corpus}/*.jsonl', block_size: {BLOCK}, max_bytes: null}}",
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = 0
+    watched = psutil.Process(proc.pid)
+    while proc.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    output = proc.stdout.read() if proc.stdout else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"raylift prep failed:\n{output[-3000:]}")
+    manifest = json.loads((out / "_raylift_manifest.json").read_text())
+    return seconds, sum(manifest["rows"].values()), peak
+
+
+def pack_file(job: tuple[str, str]) -> int:
+    """One JSONL file -> one parquet file of windows, as the gpt task packs them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    src, dst = job
+    with open(src, "rb") as f:
+        docs = [json.loads(line)["text"].encode() for line in f]
+    windows = []
+    for i in range(0, len(docs), 64):  # prep's preprocess batch
+        arr = np.frombuffer(SEP.join(docs[i : i + 64]), dtype=np.uint8)
+        n = max((len(arr) - 1) // BLOCK, 0)
+        idx = np.arange(n)[:, None] * BLOCK + np.arange(BLOCK + 1)[None, :]
+        windows.append(arr[idx])
+    tokens = np.concatenate(windows)
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), BLOCK + 1)
+    pq.write_table(pa.table({"tokens": flat}), dst, row_group_size=128)
+    return len(tokens)
+
+
+def pool_prep(corpus: Path, out: Path) -> tuple[float, int]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    jobs = [(str(p), str(out / f"{p.stem}.parquet")) for p in sorted(corpus.glob("*.jsonl"))]
+    started = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(os.cpu_count()) as pool:
+        rows = sum(pool.map(pack_file, jobs))
+    return time.perf_counter() - started, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, nargs="+", default=[200, 2000])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--keep", type=Path, help="folder for the corpora (kept between runs)")
+    args = parser.parse_args()
+    print(describe(), flush=True)
+    import ray
+
+    work = args.keep or Path(tempfile.mkdtemp(prefix="raylift-bench-prep-"))
+    ctx = ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+    os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
+    peaks = {}
+    try:
+        for mb in args.mb:
+            corpus = work / f"corpus-{mb}mb"
+            if not corpus.exists():
+                write_corpus(corpus, mb)
+            size = sum(p.stat().st_size for p in corpus.glob("*.jsonl"))
+            ours, theirs, rss = [], [], []
+            for _ in range(args.repeats):
+                secs, rows, peak = raylift_prep(corpus, work / "shards")
+                ours.append(secs)
+                rss.append(peak)
+                base_secs, base_rows = pool_prep(corpus, work / "pool")
+                theirs.append(base_secs)
+            t, b = statistics.median(ours), statistics.median(theirs)
+            peaks[mb] = max(rss)
+            print(
+                f"{size / 2**20:>7,.0f} MiB JSONL  raylift prep {t:6.1f} s  "
+                f"{size / 2**20 / t:6.1f} MiB/s  {rows / t:>9,.0f} rows/s  driver peak RSS "
+                f"{max(rss) / 2**20:,.0f} MiB | Pool {b:6.1f} s  {size / 2**20 / b:6.1f} MiB/s  "
+                f"{base_rows / b:>9,.0f} rows/s | raylift/Pool throughput {b / t:.2f}x",
+                flush=True,
+            )
+    finally:
+        ray.shutdown()
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if len(peaks) > 1:
+        lo, hi = min(peaks.values()), max(peaks.values())
+        print(f"driver peak RSS, largest / smallest size: {hi / lo:.2f}x (goal <= 1.2x)")
+
+
+if __name__ == "__main__":
+    main()

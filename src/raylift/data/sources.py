@@ -1,0 +1,125 @@
+"""A task's raw data per split, as ``Task.sources()`` returns it.
+
+Two forms are accepted for each split:
+
+- numpy columns of equal length: small data that fits in the driver (the digits set);
+- a ``ray.data.Dataset`` built with any of Ray Data's readers (``read_parquet``,
+  ``read_json``, ``read_text``, ``read_images``, ``read_binary_files``, ...), over local
+  folders or ``s3://`` / ``gs://``: data of any size, read lazily and in parallel by
+  the cluster. The driver never holds its rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from raylift.tasks.base import Columns
+
+if TYPE_CHECKING:
+    import ray.data
+
+Source = Union[Columns, "ray.data.Dataset"]
+SPLITS = ("train", "val")
+ROWS_PER_BLOCK = 64  # columns are cut into blocks of this many rows for Ray Data
+# A column ``preprocess`` may add: "" for a good row, else why the row's raw data could
+# not be used (a corrupt image, say). Prep drops such rows, counts them and names some.
+ERROR_COLUMN = "_error"
+
+
+class SourceError(ValueError):
+    """A task's raw data cannot be read: the message names the path and what is wrong."""
+
+
+def is_dataset(source: object) -> bool:
+    import ray.data
+
+    return isinstance(source, ray.data.Dataset)
+
+
+def check_sources(sources: dict[str, Any]) -> None:
+    """Both splits present, each a Dataset or numpy columns of one length."""
+    missing = [s for s in SPLITS if s not in sources]
+    if missing:
+        raise SourceError(f"task: sources() must return 'train' and 'val' splits, lacks {missing}")
+    for split in SPLITS:
+        source = sources[split]
+        if is_dataset(source):
+            continue
+        if not isinstance(source, dict) or not source:
+            raise SourceError(
+                f"task: sources()[{split!r}] must be a ray.data.Dataset or a dict of numpy "
+                f"columns, got {type(source).__name__}"
+            )
+        lengths = {k: len(v) for k, v in source.items()}
+        if len(set(lengths.values())) > 1:
+            raise SourceError(f"task: sources()[{split!r}] columns differ in length: {lengths}")
+
+
+def as_dataset(source: Source, cpus: int) -> ray.data.Dataset:
+    """``source`` as a Dataset; columns are cut into blocks of whole rows."""
+    import ray.data
+
+    if is_dataset(source):
+        return source  # type: ignore[return-value]
+    cols: Columns = source  # type: ignore[assignment]
+    n = num_rows(cols)
+    blocks = max(1, min(n // ROWS_PER_BLOCK, 4 * cpus))
+    return ray.data.from_items(_rows(cols), override_num_blocks=blocks)
+
+
+def num_rows(cols: Columns) -> int:
+    return len(next(iter(cols.values())))
+
+
+def _rows(cols: Columns) -> list[dict[str, Any]]:
+    return [{k: v[i] for k, v in cols.items()} for i in range(num_rows(cols))]
+
+
+def estimated_bytes(source: Source) -> int | None:
+    """In-memory size of the raw rows, when it is known without reading them."""
+    if isinstance(source, dict):
+        return int(sum(np.asarray(v).nbytes for v in source.values()))
+    try:
+        # Metadata only (file sizes, parquet footers): it never executes the dataset.
+        # Not a public API; its absence just means "unknown", never a wrong answer.
+        size = source._logical_plan.dag.infer_metadata().size_bytes
+    except Exception:
+        return None
+    return int(size) if size is not None else None
+
+
+def sample(source: Source, n: int) -> Columns:
+    """The first ``n`` raw rows as numpy columns (a few rows are read, not the split)."""
+    if isinstance(source, dict):
+        return {k: v[:n] for k, v in source.items()}
+    return dict(source.take_batch(n, batch_format="numpy"))
+
+
+class Skipped:
+    """Rows ``preprocess`` marked bad, counted across the cluster (a Ray actor)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.examples: list[str] = []
+
+    def add(self, errors: list[str]) -> None:
+        self.count += len(errors)
+        self.examples += errors[: max(0, 5 - len(self.examples))]
+
+    def summary(self) -> tuple[int, list[str]]:
+        return self.count, self.examples
+
+
+def drop_bad_rows(batch: Columns, skipped: Any) -> Columns:
+    """``batch`` without the rows its ``ERROR_COLUMN`` marks, which go to ``skipped``."""
+    if ERROR_COLUMN not in batch:
+        return batch
+    import ray
+
+    errors = np.asarray(batch[ERROR_COLUMN]).astype(str)
+    bad = errors != ""
+    if bad.any():  # rare: waiting for the count to land keeps it exact
+        ray.get(skipped.add.remote(list(errors[bad])))
+    return {k: v[~bad] for k, v in batch.items() if k != ERROR_COLUMN}

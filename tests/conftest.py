@@ -31,6 +31,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+SESSION: dict[str, str] = {}  # what the session's Ray was started with
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.helpers import close_pools
+
+    close_pools()  # the spawned ranks the unit tests shared
+
+
+@pytest.fixture(scope="session")
+def ray_jobs(ray_cluster: str) -> str:
+    """The Jobs API (dashboard) of the session's Ray, on 127.0.0.1."""
+    return SESSION["dashboard"]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
     """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing at it."""
@@ -52,6 +67,7 @@ def ray_cluster() -> Iterator[str]:
         logging_level="WARNING",
     )
     address = ctx.address_info["gcs_address"]
+    SESSION["dashboard"] = f"http://{ctx.dashboard_url}"
     previous = os.environ.get("RAY_ADDRESS")
     os.environ["RAY_ADDRESS"] = address
     try:

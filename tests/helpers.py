@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -155,23 +154,95 @@ def make_trainer(
     return Trainer(cfg, task, ctx)
 
 
-def _rank_entry(rank: int, world: int, init_file: str, fn: Any, args: tuple) -> None:
+def _pool_rank(rank: int, world: int, init_file: str, jobs: Any, results: Any) -> None:
+    """One rank of a :class:`RankPool`: joins the group once, then runs jobs until told to
+    stop. After a failed job it leaves: its group may be mid-collective."""
+    import traceback
+
     init_pg(rank, world, init_file)
     try:
-        fn(rank, world, *args)
-        # No rank tears its group down while another still talks to it: gloo aborts
-        # ("terminate called without an active exception") on a pair torn down mid-op.
-        dist.barrier()
+        while (job := jobs.get()) is not None:
+            fn, args = job
+            try:
+                fn(rank, world, *args)
+                # No rank starts the next job while another still talks in this one.
+                dist.barrier()
+            except BaseException:
+                results.put((rank, traceback.format_exc()))
+                return
+            results.put((rank, None))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, tmp: Path, fn: Any, *args: Any) -> None:
-    """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined by gloo."""
-    import torch.multiprocessing as mp
+class RankPool:
+    """``world`` spawned processes joined by gloo, reused for every job of a test session:
+    a job pays for its own work, not for a process start, a torch import and a group."""
 
-    init_file = str(tmp / f"pg-{fn.__name__}-{uuid.uuid4().hex[:8]}")  # a store per group
-    mp.spawn(_rank_entry, args=(world, init_file, fn, args), nprocs=world, join=True)
+    def __init__(self, world: int):
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        init_file = str(Path(tempfile.mkdtemp(prefix="rl-pg-")) / "pg")
+        self.procs = [
+            ctx.Process(target=_pool_rank, args=(r, world, init_file, self.jobs[r], self.results))
+            for r in range(world)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn: Any, args: tuple, timeout: float = 900.0) -> None:
+        """``fn(rank, world, *args)`` on every rank; raises with a failed rank's traceback."""
+        import queue
+
+        for q in self.jobs:
+            q.put((fn, args))
+        failures = []
+        try:
+            for _ in range(self.world):
+                rank, failure = self.results.get(timeout=timeout)
+                if failure:
+                    failures.append(f"rank {rank}:\n{failure}")
+                    break  # the other ranks may wait forever in a collective
+        except queue.Empty:
+            failures.append(f"no rank finished {fn.__name__} within {timeout:.0f} s")
+        if failures:
+            self.close()
+            raise RuntimeError(failures[0])
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for q in self.jobs:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_ranks(world: int, tmp: Path, fn: Any, *args: Any) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` ranks joined by gloo: the session's
+    pool of that size, started on first use and again after a failure."""
+    pool = _POOLS.get(world)
+    if pool is None or not pool.alive():
+        pool = _POOLS[world] = RankPool(world)
+    pool.run(fn, args)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
 
 
 def train_and_save_params(rank: int, world: int, cfg_dict: dict, out: str) -> None:

@@ -239,7 +239,7 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
     spec = parse_sweep(cfg)
     storage = resolve(cfg.storage)
     connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
-    base = _trial_base(cfg, spec, storage)
+    base = _resolved(_trial_base(cfg, spec, storage), log)
     # The data is prepared once here; trials whose task_args differ prepare their own.
     shards_for_run(cfg, build_task(cfg.task, cfg.task_args), log)
     parent = _parent_run(cfg, storage, spec)
@@ -297,6 +297,14 @@ def _trial_base(cfg: Config, spec: SweepSpec, storage: str) -> dict[str, Any]:
     if cfg.data.shards:
         fixed["data"] = {"shards": resolve(cfg.data.shards)}
     return merge(cfg.to_dict(), fixed)
+
+
+def _resolved(base: dict[str, Any], log: Any) -> dict[str, Any]:
+    """``base`` with ``auto`` settings resolved here, once for every trial: a trial's
+    placement group has no room for the probe that resolves them."""
+    from raylift.launch import resolve_auto
+
+    return resolve_auto(config_from_dict(base), log).to_dict()
 
 
 def _trial_workers(cfg: Config, spec: SweepSpec) -> int:

@@ -29,6 +29,8 @@ from raylift.tasks import build_task
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
+GPT_TINY = REPO / "configs" / "gpt-tiny.yaml"
+IMAGES_YAML = REPO / "configs" / "images.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -222,11 +224,10 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
     corpus = write_jsonl(tmp_path / "corpus", 120, field="body")
     args = [
         f"data.shards={tmp_path / 'shards'}",
-        "task=gpt",
         f"task_args={{corpus: '{corpus}/*.jsonl', text_field: body, block_size: 32, "
-        "val_percent: 20, n_layer: 1, d_model: 32, n_head: 2}",
+        "val_percent: 20}",
     ]
-    assert cli_main(["prep", str(QUICKSTART), *args]) == 0
+    assert cli_main(["prep", str(GPT_TINY), *args]) == 0
     manifest = open_shards(str(tmp_path / "shards"), None)
     store = ParquetStore(manifest)
     text = SEP.join(d.encode() for d in documents(120))
@@ -257,8 +258,8 @@ def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
     (tmp_path / "empty").mkdir()
     write_jsonl(tmp_path / "mixed", 6)
     (tmp_path / "mixed" / "notes.txt").write_text("plain text")
-    args = [f"storage={tmp_path / 'runs'}", "task=gpt", f"task_args={task_args % tmp_path}"]
-    assert cli_main(["train", str(QUICKSTART), *args]) == 2
+    args = [f"storage={tmp_path / 'runs'}", f"task_args={task_args % tmp_path}"]
+    assert cli_main(["train", str(GPT_TINY), *args]) == 2
     err = capsys.readouterr().err
     assert named in err and str(tmp_path) in err, err
     assert not list((tmp_path / "runs").rglob("*.parquet"))  # nothing half-written
@@ -274,7 +275,7 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_image_folder(tmp_path_factory.mktemp("images") / "shapes", per_class=40, size=24)
 
 
-IMAGES = "{root: '%s', image_size: 16, width: 8, val_percent: 20%s}"
+IMAGES = "{root: '%s', image_size: 16, width: 8, val_percent: 20%s}"  # over configs/images.yaml
 
 
 def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
@@ -288,13 +289,13 @@ def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
             "task=images",
             f"task_args={IMAGES % (shapes, '')}",
         ]
-        lenient = [f"data.shards={tmp_path / 'b'}", "task=images",
+        lenient = [f"data.shards={tmp_path / 'b'}",
                    f"task_args={IMAGES % (shapes, ', max_bad_fraction: 0.05')}"]  # fmt: skip
-        assert cli_main(["prep", str(QUICKSTART), *strict]) == 2  # 1 of ~120 > 1%
+        assert cli_main(["prep", str(IMAGES_YAML), *strict]) == 2
         err = capsys.readouterr().err
         assert str(bad) in err and "max_bad_fraction" in err, err
         assert not (tmp_path / "a").exists()  # nothing half-written
-        assert cli_main(["prep", str(QUICKSTART), *lenient]) == 0
+        assert cli_main(["prep", str(IMAGES_YAML), *lenient]) == 0
         out = capsys.readouterr().out
         assert "skipped 1 unreadable row(s)" in out and str(bad) in out, out
     finally:

@@ -31,14 +31,18 @@ def sweep_runs(tmp: Path, parent_id: str) -> tuple[object, list]:  # type: ignor
     return client.get_run(parent_id), children
 
 
-def test_asha_sweep_of_eight_distributed_trials(ray_cluster: str, in_tmp: Path) -> None:
-    result = tune_run(load_config(SWEEP))
-    assert len(result.rows) == 8 and all(r.status == "TERMINATED" for r in result.rows)
+TRIALS = 6  # the shipped sweep's 8 cost two more trial start-ups and show nothing new
+
+
+def test_asha_sweep_of_distributed_trials(ray_cluster: str, in_tmp: Path) -> None:
+    sweep = load_config(SWEEP, [f"tune.num_samples={TRIALS}", "tune.max_concurrent=3"])
+    result = tune_run(sweep)
+    assert len(result.rows) == TRIALS and all(r.status == "TERMINATED" for r in result.rows)
     stopped = [r for r in result.rows if r.stopped]
-    assert len(stopped) >= 4, result.rows
-    assert sum(r.epochs for r in result.rows) <= 0.6 * 8 * 8, result.rows
+    assert len(stopped) >= TRIALS // 2, result.rows
+    assert sum(r.epochs for r in result.rows) <= 0.6 * TRIALS * 8, result.rows
     parent, children = sweep_runs(in_tmp, result.parent_run_id)
-    assert len(children) == 8
+    assert len(children) == TRIALS
     assert parent.data.tags["raylift.best_trial"] == result.best.trial_id  # type: ignore[union-attr]
     best_child = next(
         c for c in children if c.data.tags["raylift.trial_id"] == result.best.trial_id

@@ -151,6 +151,15 @@ def _with_field(ds: Any, field: str, example: str) -> Any:
     return ds
 
 
+def _keep_split(batch: Any, val: bool, percent: int) -> Any:
+    """The documents of one split: val where a hash of the text's start is < ``percent``."""
+    import pyarrow as pa
+
+    docs = batch.column("doc").to_pylist()
+    keep = [(zlib.crc32(d[:4096]) % 100 < percent) == val for d in docs]
+    return batch.filter(pa.array(keep, type=pa.bool_()))
+
+
 def _documents(batch: Any, field: str) -> Any:
     """One ``doc`` column of UTF-8 bytes from the text field (other columns dropped)."""
     import pyarrow as pa
@@ -257,7 +266,11 @@ class GPTTask:
             _documents, fn_kwargs={"field": field}, batch_format="pyarrow", zero_copy_batch=True
         )
         return {
-            split: docs.filter(self._is_val_row if split == "val" else self._is_train_row)
+            split: docs.map_batches(
+                _keep_split,
+                fn_kwargs={"val": split == "val", "percent": self.val_percent},
+                batch_format="pyarrow",
+            )
             for split in ("train", "val")
         }
 
@@ -269,12 +282,6 @@ class GPTTask:
 
     def _is_val(self, key: bytes) -> bool:
         return zlib.crc32(key) % 100 < self.val_percent
-
-    def _is_val_row(self, row: dict[str, Any]) -> bool:
-        return self._is_val(row["doc"][:4096])
-
-    def _is_train_row(self, row: dict[str, Any]) -> bool:
-        return not self._is_val(row["doc"][:4096])
 
     def preprocess(self, batch: Columns) -> Columns:
         docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]

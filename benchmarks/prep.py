@@ -1,18 +1,20 @@
-"""``raylift prep`` on a JSONL text corpus at two sizes 10x apart: throughput and driver memory.
+"""``raylift prep`` at two sizes 10x apart, text and images: throughput and driver memory.
 
-    python benchmarks/prep.py [--mb 200 2000] [--repeats 1] [--keep DIR]
+    python benchmarks/prep.py [--mb 200 2000] [--images 5000 50000] [--repeats 1] [--keep DIR]
 
-For each size, writes a deterministic JSONL corpus (documents cut from the standard
-library's sources, each made unique by its number; generation is not timed), starts
-one local Ray for the whole script, then times, interleaved per repeat:
+For each size, writes deterministic data (generation is not timed): a JSONL corpus of
+documents cut from the standard library's sources, each made unique by its number, and
+a folder of JPEGs of drawn shapes, three classes (``tests/corpora.py``). One local Ray
+serves the whole script. Per repeat, interleaved:
 
 - raylift: ``raylift prep`` as its own process joined to that Ray (the ``gpt`` task
   with ``corpus: DIR/*.jsonl``): Ray Data reads the files, packs the windows on every
   CPU and writes the parquet shards. Its driver's peak RSS is sampled every 50 ms;
   Ray's own processes are not the driver.
 - hand-written: a ``multiprocessing.Pool`` with one process per core, each taking whole
-  JSONL files, packing the same ``block_size + 1`` windows with the same separator and
-  writing parquet with the same row groups (no shuffle: it does less than prep).
+  JSONL files (packing the same ``block_size + 1`` windows with the same separator) or
+  chunks of image paths (the images task's own decode and resize), and writing parquet
+  with the same row groups (no shuffle: it does less than prep).
 
 Prints MB/s (of JSONL read), rows/s (windows written) and peak driver RSS per size, the
 RSS ratio between the sizes (goal: within 1.2x) and raylift / hand-written throughput
@@ -40,7 +42,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 
+sys.path.insert(0, str(REPO))
+from tests.corpora import SHAPES, write_image_folder  # noqa: E402
+
 BLOCK = 128
+IMAGE_SIZE = 32
 SEP = b"\x00"
 DOCS_PER_FILE_MB = 64  # each JSONL file about this size
 
@@ -65,12 +71,17 @@ def write_corpus(folder: Path, megabytes: int) -> int:
     return written
 
 
-def raylift_prep(corpus: Path, out: Path) -> tuple[float, int, int]:
-    """(seconds, rows, peak driver RSS bytes) of ``raylift prep`` on ``corpus``."""
+def raylift_prep(data: Path, out: Path) -> tuple[float, int, int]:
+    """(seconds, rows, peak driver RSS bytes) of ``raylift prep`` on ``data``."""
+    if any(data.glob("*.jsonl")):
+        config = "gpt-tiny.yaml"
+        task_args = f"{{corpus: '{data}/*.jsonl', block_size: {BLOCK}, max_bytes: null}}"
+    else:
+        config = "images.yaml"
+        task_args = f"{{root: '{data}', image_size: {IMAGE_SIZE}, val_percent: 10}}"
     args = [
-        sys.executable, "-m", "raylift.cli", "prep", str(REPO / "configs" / "gpt-tiny.yaml"),
-        f"data.shards={out}", "--force",
-        f"task_args={{corpus: '{corpus}/*.jsonl', block_size: {BLOCK}, max_bytes: null}}",
+        sys.executable, "-m", "raylift.cli", "prep", str(REPO / "configs" / config),
+        f"data.shards={out}", "--force", f"task_args={task_args}",
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -110,19 +121,41 @@ def pack_file(job: tuple[str, str]) -> int:
     return len(tokens)
 
 
-def pool_prep(corpus: Path, out: Path) -> tuple[float, int]:
+def decode_chunk(job: tuple[list[str], str]) -> int:
+    """Image files -> one parquet file of uint8 CHW images and labels."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylift.tasks.images import decode
+
+    paths, dst = job
+    images = np.stack([decode(Path(p).read_bytes(), IMAGE_SIZE) for p in paths])
+    labels = [SHAPES.index(Path(p).parent.name) for p in paths]
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(images.reshape(-1)), images[0].size)
+    pq.write_table(pa.table({"image": flat, "label": labels}), dst, row_group_size=128)
+    return len(paths)
+
+
+def pool_prep(data: Path, out: Path) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    jobs = [(str(p), str(out / f"{p.stem}.parquet")) for p in sorted(corpus.glob("*.jsonl"))]
+    jsonl = sorted(data.glob("*.jsonl"))
+    if jsonl:
+        fn, jobs = pack_file, [(str(p), str(out / f"{p.stem}.parquet")) for p in jsonl]
+    else:
+        images = sorted(str(p) for p in data.rglob("*.*"))
+        chunks = [images[i : i + 2048] for i in range(0, len(images), 2048)]
+        fn, jobs = decode_chunk, [(c, str(out / f"{i:05d}.parquet")) for i, c in enumerate(chunks)]
     started = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(os.cpu_count()) as pool:
-        rows = sum(pool.map(pack_file, jobs))
+        rows = sum(pool.map(fn, jobs))
     return time.perf_counter() - started, rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, nargs="+", default=[200, 2000])
+    parser.add_argument("--mb", type=int, nargs="*", default=[200, 2000])
+    parser.add_argument("--images", type=int, nargs="*", default=[5000, 50000])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--keep", type=Path, help="folder for the corpora (kept between runs)")
     args = parser.parse_args()
@@ -132,36 +165,50 @@ def main() -> None:
     work = args.keep or Path(tempfile.mkdtemp(prefix="raylift-bench-prep-"))
     ctx = ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
     os.environ["RAY_ADDRESS"] = ctx.address_info["gcs_address"]
-    peaks = {}
+    peaks: dict[str, dict[int, int]] = {"MiB JSONL": {}, "JPEGs": {}}
     try:
         for mb in args.mb:
             corpus = work / f"corpus-{mb}mb"
             if not corpus.exists():
                 write_corpus(corpus, mb)
             size = sum(p.stat().st_size for p in corpus.glob("*.jsonl"))
-            ours, theirs, rss = [], [], []
-            for _ in range(args.repeats):
-                secs, rows, peak = raylift_prep(corpus, work / "shards")
-                ours.append(secs)
-                rss.append(peak)
-                base_secs, base_rows = pool_prep(corpus, work / "pool")
-                theirs.append(base_secs)
-            t, b = statistics.median(ours), statistics.median(theirs)
-            peaks[mb] = max(rss)
-            print(
-                f"{size / 2**20:>7,.0f} MiB JSONL  raylift prep {t:6.1f} s  "
-                f"{size / 2**20 / t:6.1f} MiB/s  {rows / t:>9,.0f} rows/s  driver peak RSS "
-                f"{max(rss) / 2**20:,.0f} MiB | Pool {b:6.1f} s  {size / 2**20 / b:6.1f} MiB/s  "
-                f"{base_rows / b:>9,.0f} rows/s | raylift/Pool throughput {b / t:.2f}x",
-                flush=True,
+            peaks["MiB JSONL"][mb] = measure(
+                f"{size / 2**20:,.0f} MiB JSONL", corpus, work, args.repeats
             )
+        for count in args.images:
+            folder = work / f"images-{count}"
+            if not folder.exists():
+                write_image_folder(folder, per_class=count // len(SHAPES), size=64)
+            peaks["JPEGs"][count] = measure(f"{count:,} JPEGs", folder, work, args.repeats)
     finally:
         ray.shutdown()
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
-    if len(peaks) > 1:
-        lo, hi = min(peaks.values()), max(peaks.values())
-        print(f"driver peak RSS, largest / smallest size: {hi / lo:.2f}x (goal <= 1.2x)")
+    for kind, by_size in peaks.items():
+        if len(by_size) > 1:
+            lo, hi = min(by_size.values()), max(by_size.values())
+            print(f"{kind}: driver peak RSS, largest / smallest size {hi / lo:.2f}x (goal <= 1.2x)")
+
+
+def measure(label: str, data: Path, work: Path, repeats: int) -> int:
+    """Times both preps on ``data``; prints a line; returns raylift's peak driver RSS."""
+    size = sum(p.stat().st_size for p in data.rglob("*") if p.is_file())
+    ours, theirs, rss = [], [], []
+    for _ in range(repeats):
+        secs, rows, peak = raylift_prep(data, work / "shards")
+        ours.append(secs)
+        rss.append(peak)
+        base_secs, base_rows = pool_prep(data, work / "pool")
+        theirs.append(base_secs)
+    t, b = statistics.median(ours), statistics.median(theirs)
+    print(
+        f"{label:>16}  raylift prep {t:6.1f} s  {size / 2**20 / t:6.1f} MiB/s  "
+        f"{rows / t:>9,.0f} rows/s  driver peak RSS {max(rss) / 2**20:,.0f} MiB | Pool "
+        f"{b:6.1f} s  {size / 2**20 / b:6.1f} MiB/s  {base_rows / b:>9,.0f} rows/s | "
+        f"raylift/Pool throughput {b / t:.2f}x",
+        flush=True,
+    )
+    return max(rss)
 
 
 if __name__ == "__main__":

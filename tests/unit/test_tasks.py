@@ -122,3 +122,17 @@ def test_a_corpus_behind_a_uri_is_listed_and_read_through_its_filesystem(tmp_pat
     assert len(paths) == 30 and all(p.startswith("file://") for p in paths)
     tokens = task.preprocess({"path": splits["val"]["path"][:2]})["tokens"]
     assert bytes(tokens[0][:9]) == b"document "
+
+
+def test_jsonl_files_split_by_their_relative_path_when_both_sides_get_some(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zlib
+
+    monkeypatch.setattr(GPTTask, "_documents", lambda self, files: sorted(files))  # no Ray
+    task = GPTTask(corpus=str(tmp_path), val_percent=30)
+    names = [f"part-{i}.jsonl" for i in range(10)]
+    out = task._row_sources(str(tmp_path), [str(tmp_path / n) for n in names])
+    val = {Path(p).name for p in out["val"]}  # type: ignore[union-attr]
+    assert val == {n for n in names if zlib.crc32(n.encode()) % 100 < 30} and val
+    assert not val & {Path(p).name for p in out["train"]}  # type: ignore[union-attr]

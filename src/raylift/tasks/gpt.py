@@ -8,8 +8,9 @@ in an object store (``s3://``, ``gs://``), of:
 - JSONL (``.jsonl``, ``.json``) or parquet files: each row's ``text_field`` is a
   document, read in parallel by Ray Data's readers.
 
-Documents go to train or val by a hash of their relative path (text files) or of
-their text (rows), so the split does not change with the file order or the machine.
+Documents go to train or val by a hash of their file's path (text files, and JSONL or
+parquet files when there are enough of them for both splits) or of their text (rows of
+too few files), so the split does not change with the file order or the machine.
 They are packed into uint8 windows of ``block_size + 1`` bytes, with a ``SEP`` byte
 between documents.
 """
@@ -222,7 +223,7 @@ class GPTTask:
                 f"(e.g. {text[0]} and {rows[0]}); point it at one kind"
             )
         if rows:
-            return self._row_sources(rows)
+            return self._row_sources(root, rows)
         return self._file_sources(root, text)
 
     def _file_sources(self, root: str, files: list[str]) -> dict[str, Source]:
@@ -248,8 +249,28 @@ class GPTTask:
         # As URIs where remote: preprocess opens each from whichever node runs it.
         return {k: {"path": np.array([self._uri(f) for f in v])} for k, v in splits.items()}
 
-    def _row_sources(self, files: list[str]) -> dict[str, Source]:
-        """JSONL or parquet rows, read in parallel by Ray Data; split by their text."""
+    def _row_sources(self, root: str, files: list[str]) -> dict[str, Source]:
+        """JSONL or parquet rows, read in parallel by Ray Data. Split by file where the
+        files are enough for both splits (each file is then read once), else by the
+        rows' text (every file is read for each split)."""
+        by_file: dict[str, list[str]] = {"train": [], "val": []}
+        for f in files:
+            rel = f[len(root) :].lstrip("/")
+            by_file["val" if self._is_val(rel.encode()) else "train"].append(f)
+        if by_file["train"] and by_file["val"]:
+            return {split: self._documents(chosen) for split, chosen in by_file.items()}
+        docs = self._documents(files)
+        return {
+            split: docs.map_batches(
+                _keep_split,
+                fn_kwargs={"val": split == "val", "percent": self.val_percent},
+                batch_format="pyarrow",
+            )
+            for split in ("train", "val")
+        }
+
+    def _documents(self, files: list[str]) -> Any:
+        """One ``doc`` column of the files' ``text_field``, over JSONL and parquet alike."""
         import ray.data
 
         field = self.text_field
@@ -262,17 +283,9 @@ class GPTTask:
         if jsonl:
             parts.append(_with_field(ray.data.read_json(jsonl), field, jsonl[0]))
         ds = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-        docs = ds.map_batches(
+        return ds.map_batches(
             _documents, fn_kwargs={"field": field}, batch_format="pyarrow", zero_copy_batch=True
         )
-        return {
-            split: docs.map_batches(
-                _keep_split,
-                fn_kwargs={"val": split == "val", "percent": self.val_percent},
-                batch_format="pyarrow",
-            )
-            for split in ("train", "val")
-        }
 
     def _uri(self, path: str) -> str:
         """A listed path as Ray Data's readers open it (the scheme back on remote ones)."""

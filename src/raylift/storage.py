@@ -38,6 +38,14 @@ def join(base: str, *parts: str) -> str:
     return str(Path(resolve(base)).joinpath(*parts))
 
 
+def as_uri(path: str, like: str) -> str:
+    """A path a pyarrow filesystem listed under ``like``, as a URI again when ``like`` is one
+    (listings drop the scheme; Ray Data's readers and other nodes need it back)."""
+    if is_remote(like) and not is_remote(path):
+        return like.split("://", 1)[0] + "://" + path
+    return path
+
+
 def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """A pyarrow filesystem and the path in it, for local folders and URIs alike."""
     import pyarrow.fs as pafs

@@ -286,8 +286,7 @@ def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
     try:
         strict = [
             f"data.shards={tmp_path / 'a'}",
-            "task=images",
-            f"task_args={IMAGES % (shapes, '')}",
+            f"task_args={IMAGES % (shapes, ', max_bad_fraction: 0.0')}",
         ]
         lenient = [f"data.shards={tmp_path / 'b'}",
                    f"task_args={IMAGES % (shapes, ', max_bad_fraction: 0.05')}"]  # fmt: skip

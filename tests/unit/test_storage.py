@@ -45,3 +45,11 @@ def test_filesystem_of_a_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     fs, path = filesystem("shards")
     assert isinstance(fs, pafs.LocalFileSystem)
     assert Path(path).is_absolute() and path == str(tmp_path.resolve() / "shards")
+
+
+def test_a_listed_path_gets_its_scheme_back_only_under_a_uri() -> None:
+    from raylift.storage import as_uri
+
+    assert as_uri("bucket/images/a.jpg", like="s3://bucket/images") == "s3://bucket/images/a.jpg"
+    assert as_uri("/data/a.jpg", like="/data") == "/data/a.jpg"
+    assert as_uri("gs://b/a.jpg", like="gs://b") == "gs://b/a.jpg"

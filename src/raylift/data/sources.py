@@ -11,6 +11,7 @@ Two forms are accepted for each split:
 
 from __future__ import annotations
 
+import zlib
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -30,6 +31,11 @@ ERROR_COLUMN = "_error"
 
 class SourceError(ValueError):
     """A task's raw data cannot be read: the message names the path and what is wrong."""
+
+
+def in_val(key: bytes, percent: int) -> bool:
+    """The train/val split: val for ``percent`` of keys, by a hash stable across machines."""
+    return zlib.crc32(key) % 100 < percent
 
 
 def is_dataset(source: object) -> bool:

@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 Columns = dict[str, np.ndarray]
 Batch = dict[str, torch.Tensor]
@@ -81,3 +82,24 @@ def flops_per_sample(task: object, model: nn.Module) -> float:
     A task says it with an optional ``flops_per_sample(model)`` method."""
     fn = getattr(task, "flops_per_sample", None)
     return float(fn(model)) if callable(fn) else 0.0
+
+
+class ImageClassifier:
+    """Loss, evaluation sums and metrics of a task whose batches hold ``image`` and
+    ``label``: cross-entropy, accuracy. The built-in image tasks share them."""
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch["image"]).float(), batch["label"])
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        logits = model(batch["image"]).float()
+        label = batch["label"]
+        return {
+            "loss_sum": F.cross_entropy(logits, label, reduction="sum"),
+            "correct": (logits.argmax(-1) == label).sum(),
+            "count": torch.tensor(label.numel(), device=label.device),
+        }
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["count"], 1.0)
+        return {"val_loss": sums["loss_sum"] / n, "val_acc": sums["correct"] / n}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.tasks.base import Batch, Columns
+from raylift.tasks.base import Batch, Columns, ImageClassifier
 
 # Mean and std of the digits images after scaling to [0, 1].
 _MEAN, _STD = 0.3045, 0.3760
@@ -33,7 +33,7 @@ class DigitsNet(nn.Module):
         return self.fc2(x)
 
 
-class DigitsTask:
+class DigitsTask(ImageClassifier):
     """Classify 8x8 digit images; ``val_fraction`` of them, drawn by ``split_seed``, held out."""
 
     def __init__(
@@ -70,18 +70,6 @@ class DigitsTask:
         x = batch["image"].to(dtype).div_(255.0).sub_(_MEAN).div_(_STD)
         return {"image": x.unsqueeze(1), "label": batch["label"].long()}
 
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return F.cross_entropy(model(batch["image"]).float(), batch["label"])
-
-    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = model(batch["image"]).float()
-        label = batch["label"]
-        return {
-            "loss_sum": F.cross_entropy(logits, label, reduction="sum"),
-            "correct": (logits.argmax(-1) == label).sum(),
-            "count": torch.tensor(label.numel(), device=label.device),
-        }
-
     def flops_per_sample(self, model: nn.Module) -> float:
         """Forward multiply-adds of the CNN x 2 FLOPs each, x 3 for forward + backward."""
         w = self.width
@@ -89,7 +77,3 @@ class DigitsTask:
         conv2 = 8 * 8 * 2 * w * 9 * w
         fc = 2 * w * 16 * 128 + 128 * 10
         return 3 * 2 * float(conv1 + conv2 + fc)
-
-    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        n = max(sums["count"], 1.0)
-        return {"val_loss": sums["loss_sum"] / n, "val_acc": sums["correct"] / n}

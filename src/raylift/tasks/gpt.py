@@ -20,7 +20,6 @@ from __future__ import annotations
 import fnmatch
 import math
 import sysconfig
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import Source, SourceError
-from raylift.storage import filesystem, is_remote
+from raylift.data.sources import Source, SourceError, in_val
+from raylift.storage import as_uri, filesystem
 from raylift.tasks.base import Batch, Columns
 
 VOCAB = 256
@@ -157,7 +156,7 @@ def _keep_split(batch: Any, val: bool, percent: int) -> Any:
     import pyarrow as pa
 
     docs = batch.column("doc").to_pylist()
-    keep = [(zlib.crc32(d[:4096]) % 100 < percent) == val for d in docs]
+    keep = [in_val(d[:4096], percent) == val for d in docs]
     return batch.filter(pa.array(keep, type=pa.bool_()))
 
 
@@ -247,7 +246,10 @@ class GPTTask:
                 f"train/val split of {self.val_percent}%"
             )
         # As URIs where remote: preprocess opens each from whichever node runs it.
-        return {k: {"path": np.array([self._uri(f) for f in v])} for k, v in splits.items()}
+        return {
+            k: {"path": np.array([as_uri(like=self.corpus, path=f) for f in v])}
+            for k, v in splits.items()
+        }
 
     def _row_sources(self, root: str, files: list[str]) -> dict[str, Source]:
         """JSONL or parquet rows, read in parallel by Ray Data. Split by file where the
@@ -274,7 +276,7 @@ class GPTTask:
         import ray.data
 
         field = self.text_field
-        paths = [self._uri(f) for f in files]
+        paths = [as_uri(like=self.corpus, path=f) for f in files]
         parquet = [f for f in paths if f.endswith(".parquet")]
         jsonl = [f for f in paths if not f.endswith(".parquet")]
         parts = []
@@ -287,14 +289,8 @@ class GPTTask:
             _documents, fn_kwargs={"field": field}, batch_format="pyarrow", zero_copy_batch=True
         )
 
-    def _uri(self, path: str) -> str:
-        """A listed path as Ray Data's readers open it (the scheme back on remote ones)."""
-        if is_remote(self.corpus) and "://" not in path:
-            return self.corpus.split("://", 1)[0] + "://" + path
-        return path
-
     def _is_val(self, key: bytes) -> bool:
-        return zlib.crc32(key) % 100 < self.val_percent
+        return in_val(key, self.val_percent)
 
     def preprocess(self, batch: Columns) -> Columns:
         docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]

@@ -18,7 +18,6 @@ device along with the uint8 -> float conversion and normalisation.
 from __future__ import annotations
 
 import io
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import ERROR_COLUMN, Source, SourceError
-from raylift.storage import filesystem, is_remote
-from raylift.tasks.base import Batch, Columns
+from raylift.data.sources import ERROR_COLUMN, Source, SourceError, in_val
+from raylift.storage import as_uri, filesystem
+from raylift.tasks.base import Batch, Columns, ImageClassifier
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 # ImageNet's channel statistics: a fine default for natural images.
@@ -151,7 +150,7 @@ def decode(data: bytes, size: int) -> np.ndarray:
         return np.asarray(img, dtype=np.uint8).transpose(2, 0, 1).copy()
 
 
-class ImagesTask:
+class ImagesTask(ImageClassifier):
     """Classify the images of ``root``'s class folders at ``image_size`` pixels."""
 
     def __init__(
@@ -204,9 +203,11 @@ class ImagesTask:
 
         classes, found = list_images(self.root)
         self._classes = classes
-        if "" in found:  # one folder: split by a hash of the path
+        if "" in found:  # one folder: split by a hash of the path under the root
             paths = found.pop("")
-            val = [p for p in paths if zlib.crc32(p.encode()) % 100 < self.val_percent]
+            base = filesystem(self.root)[1]
+            rel = {p: p[len(base) :].lstrip("/").encode() for p in paths}
+            val = [p for p in paths if in_val(rel[p], self.val_percent)]
             held = set(val)
             found = {"train": [p for p in paths if p not in held], "val": val}
         if not found["train"] or not found["val"]:
@@ -214,14 +215,11 @@ class ImagesTask:
                 f"task_args.root: {self.root} has too few images for a train/val split"
             )
         return {
-            split: ray.data.read_binary_files([self._uri(p) for p in paths], include_paths=True)
+            split: ray.data.read_binary_files(
+                [as_uri(like=self.root, path=p) for p in paths], include_paths=True
+            )
             for split, paths in found.items()
         }
-
-    def _uri(self, path: str) -> str:
-        if is_remote(self.root) and "://" not in path:
-            return self.root.split("://", 1)[0] + "://" + path
-        return path
 
     def preprocess(self, batch: Columns) -> Columns:
         """Decode and resize; an undecodable file becomes an error row that prep drops."""
@@ -270,19 +268,3 @@ class ImagesTask:
         idx = torch.arange(b, device=x.device)[:, None, None]
         out = padded.permute(0, 2, 3, 1)[idx, rows, cols].permute(0, 3, 1, 2)  # (b, c, s, s)
         return torch.where(flip.view(b, 1, 1, 1), out.flip(-1), out).contiguous()
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return F.cross_entropy(model(batch["image"]).float(), batch["label"])
-
-    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        logits = model(batch["image"]).float()
-        label = batch["label"]
-        return {
-            "loss_sum": F.cross_entropy(logits, label, reduction="sum"),
-            "correct": (logits.argmax(-1) == label).sum(),
-            "count": torch.tensor(len(label), device=label.device),
-        }
-
-    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        n = max(sums["count"], 1.0)
-        return {"val_loss": sums["loss_sum"] / n, "val_acc": sums["correct"] / n}

@@ -15,7 +15,8 @@ worker, bf16 autocast, AdamW) for ``--steps`` steps, run three ways, interleaved
 raylift's first step is the timestamp of the metric rank 0 logs to MLflow right after
 it (``model_state_bytes_per_rank``). raylift also evaluates at step 0 and at each epoch
 end and writes a final checkpoint; the script does none of these. Prints the median of
-each and the ratios to torchrun (goal: raylift <= 1.5x torchrun's time to first step).
+each and the ratios to torchrun (goals, time to first step: <= 2.0x torchrun with a fresh
+Ray, <= 1.3x joining one), then the median of each start-up phase raylift logged.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+
+from raylift.startup import PHASES, from_metrics  # noqa: E402
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 RAYLIFT = [sys.executable, "-m", "raylift.cli"]
@@ -64,8 +67,11 @@ def run_torchrun(steps: int, port: int, gpu: bool) -> tuple[float, float]:
     return first - started, ended - started
 
 
+BREAKDOWN: dict[str, list[dict[str, float]]] = {}  # launcher -> each run's startup phases
+
+
 def run_raylift(
-    home: Path, steps: int, name: str, env: dict[str, str], gpu: bool
+    home: Path, steps: int, name: str, env: dict[str, str], gpu: bool, launcher: str
 ) -> tuple[float, float]:
     from mlflow.tracking import MlflowClient
 
@@ -82,6 +88,8 @@ def run_raylift(
     ended = time.time()
     run_id = re.search(r"MLflow run (\w+)", out).group(1)  # type: ignore[union-attr]
     (first,) = MlflowClient(uri).get_metric_history(run_id, "model_state_bytes_per_rank")
+    logged = MlflowClient(uri).get_run(run_id).data.metrics
+    BREAKDOWN.setdefault(launcher, []).append(from_metrics(logged))
     return first.timestamp / 1000 - started, ended - started
 
 
@@ -143,7 +151,8 @@ def main() -> None:
     times: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raylift": []}
     for r in range(opts.repeats):
         times["torchrun"].append(run_torchrun(opts.steps, 29600 + r, opts.gpu))
-        times["raylift"].append(run_raylift(home, opts.steps, f"fresh{r}", env, opts.gpu))
+        fresh = run_raylift(home, opts.steps, f"fresh{r}", env, opts.gpu, "raylift")
+        times["raylift"].append(fresh)
         print(
             f"repeat {r}: "
             + "  ".join(f"{k} {v[-1][0]:.1f}/{v[-1][1]:.1f} s" for k, v in times.items()),
@@ -153,7 +162,7 @@ def main() -> None:
     joined = {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
     try:
         times["raylift on a running Ray"] = [
-            run_raylift(home, opts.steps, f"joined{r}", joined, opts.gpu)
+            run_raylift(home, opts.steps, f"joined{r}", joined, opts.gpu, "joined")
             for r in range(opts.repeats)
         ]
     finally:
@@ -174,6 +183,12 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
             f"{name:<26}{first:>13.1f} s{first / base_first:>7.2f}x"
             f"{end:>9.1f} s{end / base_end:>7.2f}x"
         )
+    print("\nraylift's start-up phases (startup/* metrics of each run), median seconds")
+    runs = {"fresh Ray": BREAKDOWN.get("raylift", []), "running Ray": BREAKDOWN.get("joined", [])}
+    print(f"{'phase':<48}" + "".join(f"{k:>13}" for k in runs))
+    for phase, what in PHASES.items():
+        cells = [statistics.median(r.get(phase, 0.0) for r in rs or [{}]) for rs in runs.values()]
+        print(f"{what:<48}" + "".join(f"{c:>11.1f} s" for c in cells))
 
 
 if __name__ == "__main__":

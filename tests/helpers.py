@@ -95,6 +95,9 @@ class ListTracker:
     def log_artifact(self, path: Path, folder: str) -> None:
         self.artifacts.append(f"{folder}/{path.name}")
 
+    def close(self) -> None:
+        pass
+
     def series(self, key: str) -> dict[int, float]:
         return {step: m[key] for step, m in self.rows if key in m}
 

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from raylift import console
 from raylift.config import ConfigError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -19,6 +20,11 @@ def _config_args(p: argparse.ArgumentParser) -> None:
         nargs="*",
         metavar="key=value",
         help="dotted overrides, e.g. optim.lr=1e-3 scaling.num_workers=4",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show Ray's, MLflow's and DeepSpeed's own console lines (RAYLIFT_VERBOSE=1)",
     )
 
 
@@ -85,13 +91,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from raylift.data.sources import SourceError
     from raylift.doctor import run_doctor
     from raylift.launch import RunFailed
+    from raylift.startup import Startup, process_start
 
+    startup = Startup.begin(process_start())
     cfg = load_config(args.config, args.overrides)
     if args.steps < 2:
         print("raylift: --steps must be >= 2", file=sys.stderr)
         return EXIT_BAD_INPUT
+    startup.mark("launch")
     try:
-        result = run_doctor(cfg, args.steps)
+        result = run_doctor(cfg, args.steps, startup=startup)
     except (ShardError, SourceError, RunFailed) as exc:
         return _run_error(exc)
     print(result.render())
@@ -193,10 +202,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
     from raylift.data.sources import SourceError
     from raylift.launch import RunFailed, train
+    from raylift.startup import Startup, process_start
 
+    startup = Startup.begin(process_start())  # the user waits from the command, not from here
     cfg = load_config(args.config, args.overrides)
+    startup.mark("launch")
     try:
-        result = train(cfg)
+        result = train(cfg, startup=startup)
     except (ShardError, SourceError, RunFailed) as exc:
         return _run_error(exc)
     shown = "  ".join(
@@ -236,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "verbose", False):
+        os.environ["RAYLIFT_VERBOSE"] = "1"  # before anything reads it: workers inherit it
+    console.quiet_driver()
     # `task: mypkg.mod:Class` resolves from the current folder, as `python -m` would.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())

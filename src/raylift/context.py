@@ -17,6 +17,7 @@ import torch
 
 from raylift.data.ingest import BatchSource
 from raylift.metrics import Clock, PhaseClock, StepTimes
+from raylift.startup import Startup
 
 
 class Reporter(Protocol):
@@ -38,6 +39,10 @@ class Tracker(Protocol):
 
     def log_artifact(self, path: Path, folder: str) -> None: ...
 
+    def close(self) -> None:
+        """Wait until everything logged is written."""
+        ...
+
 
 class NullTracker:
     """What ranks other than 0 log to: nothing."""
@@ -49,6 +54,9 @@ class NullTracker:
         pass
 
     def log_artifact(self, path: Path, folder: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -83,3 +91,4 @@ class WorkerContext:
     log: Callable[[str], None] = print
     probe: Probe | None = None
     now: Clock = time.perf_counter  # what step times are measured with; tests pass their own
+    startup: Startup | None = None  # phases so far; the loop adds step-0 eval and first step

@@ -32,6 +32,8 @@ from raylift.config import Config
 from raylift.metrics import PHASES
 from raylift.precision import resolve_precision
 from raylift.probe import PREFIX, ProbeSettings
+from raylift.startup import PREFIX as PREFIX_STARTUP
+from raylift.startup import Startup, from_metrics, table
 from raylift.strategies import plan_row_for, plan_rows
 
 Metrics = dict[str, float]
@@ -379,6 +381,7 @@ class DoctorResult:
     folder: Path | None
     chart: Path
     run_id: str
+    startup: dict[str, float] = dataclasses.field(default_factory=dict)  # startup/* metrics
 
     def render(self) -> str:
         d = self.diagnosis
@@ -386,6 +389,10 @@ class DoctorResult:
         lines += [f"  {e}" for e in d.evidence]
         lines.append("what to change, by expected gain:")
         lines += [f"  {i}. {s.line()}" for i, s in enumerate(d.suggestions, 1)]
+        seconds = from_metrics(self.startup)
+        if seconds:
+            lines.append("start-up, from the command to the first step:")
+            lines += table(seconds, self.startup.get(PREFIX_STARTUP + "total_s", 0.0))
         return "\n".join(lines)
 
 
@@ -404,8 +411,11 @@ def doctor_config(cfg: Config, steps: int) -> Config:
     return dataclasses.replace(cfg, name=f"{cfg.name}-doctor-{stamp}", train=train, checkpoint=ckpt)
 
 
-def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
-    """Profile ``cfg`` on Ray (local or ``RAY_ADDRESS``) and diagnose it."""
+def run_doctor(
+    cfg: Config, steps: int = 20, log: Any = print, startup: Startup | None = None
+) -> DoctorResult:
+    """Profile ``cfg`` on Ray (local or ``RAY_ADDRESS``) and diagnose it; ``startup`` is
+    the CLI's start-up clock, begun at its process's start."""
     from raylift import launch, storage, tracking
 
     if steps < 2:
@@ -414,7 +424,7 @@ def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
     folder = storage.local_path(run.storage)
     folder = folder / run.name / "doctor" if folder else None
     probe = ProbeSettings(steps, str(folder) if folder else None)
-    result = launch.train(run, log, probe=probe)
+    result = launch.train(run, log, probe=probe, startup=startup)
     if PREFIX + "samples_per_s" not in result.metrics:
         raise RuntimeError(
             f"the doctor run {run.name!r} ended before its measured window (steps "
@@ -439,7 +449,11 @@ def run_doctor(cfg: Config, steps: int = 20, log: Any = print) -> DoctorResult:
     for path in (chart, report):
         client.log_artifact(result.run_id, str(path), "doctor")
     client.set_tag(result.run_id, "raylift.doctor.verdict", diagnosis.verdict)
-    return DoctorResult(run.name, diagnosis, result.metrics, folder, chart, result.run_id)
+    logged = client.get_run(result.run_id).data.metrics
+    startup_metrics = {k: v for k, v in logged.items() if k.startswith(PREFIX_STARTUP)}
+    return DoctorResult(
+        run.name, diagnosis, result.metrics, folder, chart, result.run_id, startup_metrics
+    )
 
 
 def draw_chart(diagnosis: Diagnosis, m: dict[str, float], path: Path) -> Path:

@@ -9,7 +9,6 @@ it all in one :class:`~raylift.worker.RunSpec`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import sys
@@ -18,10 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raylift import storage, tracking
+from raylift import console, storage, tracking
 from raylift.config import AUTO, Config, ConfigError
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
+from raylift.startup import Startup
 from raylift.tasks import BUILTINS
 from raylift.worker import SPEC_KEY, RunSpec, worker_main
 
@@ -35,6 +35,7 @@ WORKER_ENV = {
     "RAY_DATA_LOG_LEVEL": "ERROR",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     "PYTHONWARNINGS": "ignore::DeprecationWarning",
+    **console.quiet_env(),
 }
 
 
@@ -101,13 +102,18 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         try:
             ray.init(
                 runtime_env={**code, "env_vars": env},
-                logging_level=logging.WARNING,
+                logging_level=console.ray_logging_level(),
                 log_to_driver=True,
             )
         except ValueError:
             # Inside a Ray job whose runtime env already sets these (raylift submit does),
             # Ray refuses to merge the same keys twice: the job's own env applies.
-            ray.init(runtime_env=code or None, logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(
+                runtime_env=code or None,
+                logging_level=console.ray_logging_level(),
+                log_to_driver=True,
+            )
+        console.filter_worker_logs()
         return
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
     os.environ.update(env)  # the local raylet, and so every worker, inherits these
@@ -118,9 +124,10 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         num_cpus=local_num_cpus(cfg, workers),
         include_dashboard=True,
         dashboard_host="127.0.0.1",
-        logging_level=logging.WARNING,
+        logging_level=console.ray_logging_level(),
         log_to_driver=True,
     )
+    console.filter_worker_logs()
 
 
 def run_exists(where: str, name: str) -> bool:
@@ -177,29 +184,37 @@ def train(
     callbacks: Sequence[Any] = (),
     extra_tags: dict[str, str] | None = None,
     probe: ProbeSettings | None = None,
+    startup: Startup | None = None,
 ) -> TrainResult:
     """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
 
     A sweep's trial passes its parent MLflow run and Tune's report callback;
-    ``raylift doctor`` passes the settings of its probe.
+    ``raylift doctor`` passes the settings of its probe; the CLI passes the start-up
+    clock it began at its process's start (else it begins here).
     """
     started = time.perf_counter()
-    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    if startup is None:
+        startup = Startup.begin()
+        startup.mark("launch")
+    os.environ.update(console.quiet_env())  # before MLflow's import reads its level
     where = storage.resolve(cfg.storage)
     resume = run_exists(where, cfg.name)
     uri = tracking.tracking_uri(cfg)
+    tracking.warm(uri)
     log(
         f"raylift: run {cfg.name!r} -> {storage.join(where, cfg.name)}  "
         f"({'resuming from its latest checkpoint' if resume else 'new run'})"
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
-    shards, cache = prepare_data(cfg, log)
+    shards, cache = prepare_data(cfg, log, startup)
     cfg = resolve_auto(cfg, log)
+    startup.mark("auto")
     tags = dict(extra_tags or {})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
     run_id = tracking.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
-    spec = RunSpec(cfg, shards, run_id, uri, cache, probe)
+    startup.mark("mlflow")
+    spec = RunSpec(cfg, shards, run_id, uri, cache, probe, startup)
     result = fit(build_trainer(cfg, where, spec, callbacks), spec)
     ckpt = result.checkpoint.path if result.checkpoint else None
     metrics = {
@@ -213,15 +228,20 @@ def train(
     return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
 
 
-def prepare_data(cfg: Config, log: Any = print) -> tuple[str, dict[str, list[Any]] | None]:
+def prepare_data(
+    cfg: Config, log: Any = print, startup: Startup | None = None
+) -> tuple[str, dict[str, list[Any]] | None]:
     """The shards' root, checked (or prepared) before any worker starts, so a bad folder
     costs nothing; and their object-store refs where ``data.cache`` asks for them."""
     from raylift.data.shards import cache_in_object_store, shards_for_run
     from raylift.tasks import build_task
 
+    startup = startup or Startup.begin()
     task = build_task(cfg.task, cfg.task_args)
     manifest = shards_for_run(cfg, task, log, connect=lambda: connect_ray(cfg))
+    startup.mark("shards")
     connect_ray(cfg)
+    startup.mark("ray")
     cache = cache_in_object_store(manifest, log) if cfg.data.cache else None
     counts = {s: manifest.rows(s) for s in manifest.splits}
     log(f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} worker(s)")
@@ -302,10 +322,17 @@ def resolve_strategy(cfg: Config, log: Any = print, memory: int | None = None) -
 
 
 def worker_facts(cfg: Config) -> WorkerFacts:
-    """Measured by a task placed like a worker: on a GPU node when the run uses GPUs."""
+    """Measured where a worker would run: here when the cluster is this one node (a
+    local Ray), else by a task placed like a worker, on a GPU node when the run uses
+    GPUs. The local answer skips a worker process's start and imports: seconds."""
     import ray
 
     sc = cfg.scaling
+    here = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n.get("Alive", True)]
+    alone = len(nodes) == 1 and nodes[0]["NodeID"] == here
+    if alone and (not sc.use_gpu or nodes[0]["Resources"].get("GPU", 0) >= 1):
+        return _worker_facts(sc.use_gpu, sc.min_workers, sc.cpus_per_worker)
     probe = ray.remote(_worker_facts).options(num_cpus=0.01, num_gpus=1 if sc.use_gpu else 0)
     return ray.get(probe.remote(sc.use_gpu, sc.min_workers, sc.cpus_per_worker))
 

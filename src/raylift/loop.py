@@ -224,6 +224,8 @@ class Trainer:
         self.engine.model.train()
         if self.state.step == 0:
             self._evaluate_and_report()  # the untrained baseline, so every curve has a start
+        if self.ctx.startup is not None:
+            self.ctx.startup.mark("eval0")
         while not self._finished():
             self._train_epoch()
             if self.state.step >= self.total_steps or self.state.stopped_early:
@@ -307,6 +309,7 @@ class Trainer:
         self.clock.count_step(self.global_batch)
         step, train_cfg = self.state.step, self.cfg.train
         if not self.meter.memory:
+            self._log_startup()
             self.meter.log_model_state(self.engine, step)
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
             self._end_interval()
@@ -318,6 +321,16 @@ class Trainer:
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
+
+    def _log_startup(self) -> None:
+        """The run's start-up phases, once, at its first step (one host sync, once)."""
+        startup = self.ctx.startup
+        if startup is None:
+            return
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)  # the step's kernels really finished
+        startup.mark("first_step")
+        self.ctx.tracker.log_metrics(startup.metrics(), self.state.step)
 
     def _end_interval(self) -> None:
         ending = self.meter.rotate()

@@ -10,6 +10,7 @@ import os
 import re
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,31 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
+_WARMING: dict[str, Future[Any]] = {}
+
+
+def warm(uri: str) -> None:
+    """Import MLflow and open the store at ``uri`` in a background thread.
+
+    Importing MLflow and creating a SQLite store take seconds; started first, they
+    overlap with what a run waits on anyway (Ray, the worker processes, gloo)."""
+    if uri not in _WARMING:
+        _WARMING[uri] = ThreadPoolExecutor(1, thread_name_prefix="mlflow-warm").submit(_open, uri)
+
+
 def client(uri: str) -> Any:
+    """An MLflow client for ``uri``: the warmed one when :func:`warm` started it."""
+    warming = _WARMING.get(uri)
+    return warming.result() if warming is not None else _open(uri)
+
+
+def _open(uri: str) -> Any:
     _quiet_mlflow()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    mlflow = MlflowClient(tracking_uri=uri)
+    mlflow.search_experiments(max_results=1)  # creates a new store's tables now
+    return mlflow
 
 
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
@@ -126,23 +147,53 @@ def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None =
 
 
 class MlflowTracker:
-    """Rank 0's metric writer; other ranks get a NullTracker."""
+    """Rank 0's writer; other ranks get a NullTracker.
+
+    Writes run in order on one background thread, so the loop never waits on MLflow:
+    not on its import at start-up (seconds, on the first step's path otherwise), nor on
+    a slow store or server later. Timestamps are taken when the loop logs. A failed
+    write is raised by the next call, and :meth:`close` waits for all of them.
+    """
 
     def __init__(self, uri: str, run_id: str):
-        self.client, self.run_id = client(uri), run_id
+        warm(uri)
+        self.uri, self.run_id = uri, run_id
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log")
+        self._pending: list[Future[None]] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        self.client.log_batch(
-            self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()]
-        )
+        rows = [(k, float(v)) for k, v in metrics.items()]
+        self._submit(self._write_metrics, rows, now, step)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self._submit(self._write_tags, dict(tags))
 
     def log_artifact(self, path: Path, folder: str) -> None:
-        self.client.log_artifact(self.run_id, str(path), folder)
+        self._submit(lambda: client(self.uri).log_artifact(self.run_id, str(path), folder))
+
+    def close(self) -> None:
+        """Wait for every write; raises the first that failed."""
+        pending, self._pending = self._pending, []
+        try:
+            for write in pending:
+                write.result()
+        finally:
+            self._writer.shutdown(wait=True)
+
+    def _submit(self, fn: Any, *args: Any) -> None:
+        for write in [w for w in self._pending if w.done()]:
+            self._pending.remove(write)
+            write.result()  # raises a failed write where the loop can see it
+        self._pending.append(self._writer.submit(fn, *args))
+
+    def _write_metrics(self, rows: list[tuple[str, float]], now: int, step: int) -> None:
+        from mlflow.entities import Metric
+
+        metrics = [Metric(k, v, now, step) for k, v in rows]
+        client(self.uri).log_batch(self.run_id, metrics=metrics)
+
+    def _write_tags(self, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        client(self.uri).log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

@@ -13,9 +13,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from raylift import storage
+from raylift import storage, tracking
 from raylift.config import Config
 from raylift.probe import ProbeSettings
+from raylift.startup import Startup
 
 SPEC_KEY = "spec"  # the one key of Ray's train_loop_config
 
@@ -30,6 +31,7 @@ class RunSpec:
     tracking_uri: str
     cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
     probe: ProbeSettings | None = None  # raylift doctor's windows
+    startup: Startup | None = None  # the driver's start-up phases; workers add theirs
 
 
 def worker_main(loop_config: dict[str, Any]) -> None:
@@ -38,13 +40,28 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     import ray.train.torch
 
     spec: RunSpec = loop_config[SPEC_KEY]
+    startup = spec.startup
+    if startup is not None:
+        from raylift.startup import process_start
+
+        # Until this process existed, the time was Ray Train's (controller, placement);
+        # since, this worker's imports and the process group Ray Train set up.
+        startup.mark("controller", max(process_start(), startup.last()))
+        startup.mark("worker")
     # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
     logging.getLogger().setLevel(logging.WARNING)
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
+    if rank == 0:
+        tracking.warm(spec.tracking_uri)  # MLflow's imports overlap the model build
     trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
-    resume(trainer, spec.config)
-    trainer.run()
+    try:
+        resume(trainer, spec.config)
+        if startup is not None:
+            startup.mark("resume")
+        trainer.run()
+    finally:
+        trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
 
 
 def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
@@ -55,17 +72,24 @@ def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
 
     cfg = spec.config
     task = build_task(cfg.task, cfg.task_args)
+    source = build_source(spec, task, rank, world, device)
+    if spec.startup is not None:
+        spec.startup.mark("data")
     ctx = WorkerContext(
         rank=rank,
         world_size=world,
         device=device,
-        source=build_source(spec, task, rank, world, device),
+        source=source,
         reporter=RayReporter(),
         tracker=MlflowTracker(spec.tracking_uri, spec.run_id) if rank == 0 else NullTracker(),
         log=print0(rank),
         probe=_probe(spec.probe),
+        startup=spec.startup,
     )
-    return Trainer(cfg, task, ctx)
+    trainer = Trainer(cfg, task, ctx)
+    if spec.startup is not None:
+        spec.startup.mark("build")
+    return trainer
 
 
 def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -> Any:

@@ -18,6 +18,7 @@ from raylift.cli import main as cli_main
 from raylift.config import load_config
 from raylift.launch import train
 from raylift.precision import DeviceFacts, choose
+from raylift.startup import PHASES
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +58,11 @@ def test_quickstart_trains_and_logs_one_mlflow_run(ray_cluster: str, in_tmp: Pat
     assert len(runs) == 1  # one run per training run, not one per worker
 
 
+# What raylift train prints: its own notes, and rank 0's progress lines.
+OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
+STARTUP_KEYS = {f"startup/{p}_s" for p in PHASES}
+
+
 def cli_env() -> dict[str, str]:
     # A second driver joining the session's cluster uses its token.
     return {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}
@@ -81,6 +87,7 @@ def test_cli_runs_a_user_task_from_outside_the_repository(ray_cluster: str, in_t
         train: {max_steps: 8}
     """)
     )
+    started = time.time()
     proc = subprocess.run(
         [sys.executable, "-m", "raylift.cli", "train", "mine.yaml"],
         cwd=in_tmp,
@@ -91,6 +98,17 @@ def test_cli_runs_a_user_task_from_outside_the_repository(ray_cluster: str, in_t
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "finished" in proc.stdout and "step 8" in proc.stdout
+    # A quiet console: raylift's own lines only, none from Ray, MLflow or DeepSpeed.
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert lines and all(line.startswith(OURS) for line in lines), lines
+    # The start-up phases add up to the time to the first step, measured from here.
+    run_id = re.search(r"MLflow run (\w+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    client, run = mlflow_run(in_tmp, run_id)
+    (first,) = client.get_metric_history(run_id, "model_state_bytes_per_rank")
+    measured = first.timestamp / 1000 - started
+    phases = sum(v for k, v in run.data.metrics.items() if k in STARTUP_KEYS)
+    assert phases == pytest.approx(measured, rel=0.10), run.data.metrics
+    assert phases == pytest.approx(run.data.metrics["startup/total_s"], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -1,0 +1,105 @@
+"""Start-up phases add up, the console stays quiet, and rank 0's MLflow writes never block."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from raylift import console, tracking
+from raylift.startup import PHASES, Startup, from_metrics, process_start, table
+
+
+def test_phases_are_contiguous_and_add_up_to_the_total() -> None:
+    s = Startup(100.0)
+    s.mark("launch", 101.5)
+    s.mark("ray", 104.0)  # shards skipped: 0 s, and ray counts from launch's end
+    s.mark("mlflow", 103.0)  # ended before ray (they overlapped): 0 s, never negative
+    s.mark("first_step", 110.0)
+    sec = s.seconds()
+    assert list(sec) == list(PHASES)
+    assert sec["launch"] == 1.5 and sec["shards"] == 0.0 and sec["ray"] == 2.5
+    assert sec["mlflow"] == 0.0 and sec["first_step"] == 6.0
+    assert sum(sec.values()) == pytest.approx(s.total()) == pytest.approx(10.0)
+    metrics = s.metrics()
+    assert metrics["startup/total_s"] == 10.0
+    assert from_metrics(metrics) == sec
+
+
+def test_an_unknown_phase_is_refused() -> None:
+    with pytest.raises(KeyError, match="unknown start-up phase 'warmup'"):
+        Startup.begin().mark("warmup")
+
+
+def test_process_start_is_this_process_start() -> None:
+    started = process_start()
+    assert started <= time.time()
+    # psutil's figure rests on a boot time in whole seconds: within about a second of ours.
+    assert abs(started - psutil.Process().create_time()) < 1.5
+
+
+def test_the_table_marks_the_largest_phase() -> None:
+    lines = table({"launch": 1.0, "controller": 7.0, "first_step": 0.1}, 8.1)
+    assert "<- largest" in next(line for line in lines if PHASES["controller"] in line)
+    assert sum("<- largest" in line for line in lines) == 1
+    assert lines[-1].split()[-2] == "8.1"
+
+
+CPP = (
+    "[2026-11-23 20:35:25,436 E 14117 14149] core_worker.cc:2465: Actor with class name: "
+    "'PreemptionWatcher' has constructor arguments in the object store"
+)
+
+
+def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    printed: list[str] = []
+    monkeypatch.setattr(dispatcher, "handlers", [])
+    dispatcher.add_handler("ray_print_logs", lambda data: printed.extend(data["lines"]))
+    console.filter_worker_logs()
+    ours = "epoch   0  step      0  eval  val_loss 2.3184  val_acc 0.0279"
+    dispatcher.emit({"lines": [CPP, ours, "Traceback (most recent call last):"], "pid": 1})
+    dispatcher.emit({"lines": [CPP], "pid": 1})
+    assert printed == [ours, "Traceback (most recent call last):"]
+
+
+def test_verbose_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    monkeypatch.setenv(console.VERBOSE_ENV, "1")
+    printed: list[str] = []
+    monkeypatch.setattr(dispatcher, "handlers", [])
+    dispatcher.add_handler("ray_print_logs", lambda data: printed.extend(data["lines"]))
+    console.filter_worker_logs()
+    dispatcher.emit({"lines": [CPP], "pid": 1})
+    assert printed == [CPP]
+    assert console.quiet_env() == {console.VERBOSE_ENV: "1"}
+
+
+def test_rank0_writes_land_in_order_and_close_waits_for_them(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow = tracking.client(uri)
+    exp = mlflow.create_experiment("t")
+    run_id = mlflow.create_run(exp).info.run_id
+    tracker = tracking.MlflowTracker(uri, run_id)
+    for step in range(5):
+        tracker.log_metrics({"loss": 1.0 / (step + 1)}, step)
+    tracker.set_tags({"k": "v"})
+    tracker.close()
+    history = mlflow.get_metric_history(run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, 1.0 / (s + 1)) for s in range(5)]
+    assert mlflow.get_run(run_id).data.tags["k"] == "v"
+
+
+def test_a_failed_write_is_raised_not_lost(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = tracking.MlflowTracker(uri, "no-such-run")
+    tracker.log_metrics({"loss": 1.0}, 0)
+    with pytest.raises(Exception, match="no-such-run"):
+        tracker.close()

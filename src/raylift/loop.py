@@ -362,7 +362,10 @@ class Trainer:
         if self.cfg.train.on_nan == "skip":
             metrics["skipped_steps"] = float(self.engine.skipped_steps)
         self.ctx.tracker.log_metrics(metrics, self.state.step)
-        self.ctx.log(console_line(metrics, self.state.epoch, self.state.step, self.total_steps))
+        estimated = self.ctx.device.type != "cuda"  # a CPU's peak is measured, not published
+        self.ctx.log(
+            console_line(metrics, self.state.epoch, self.state.step, self.total_steps, estimated)
+        )
 
     def _reduce_window(self, times: StepTimes) -> dict[str, float]:
         """A probe's window of steps, reduced over ranks like a logging interval."""

@@ -13,8 +13,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
+import os
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,21 +26,22 @@ import torch.distributed as dist
 DEVICE_PHASES = ("h2d", "forward", "backward", "optimizer")
 PHASES = ("data_wait", *DEVICE_PHASES, "sync")
 
-# Dense peak TFLOP/s (no sparsity) per GPU, by the marketing name's distinctive part.
-# bf16/fp16 on tensor cores; fp32 is TF32 where the chip has it (torch uses TF32 for
-# matmuls only when allowed, so fp32 MFU against it is conservative).
+# Dense peak TFLOP/s (no sparsity) per GPU, by the marketing name's distinctive part:
+# bf16/fp16 and tf32 on tensor cores, fp32 on the plain FP32 units. fp32 math runs on
+# TF32 tensor cores only when torch allows it (torch.backends.cuda.matmul.allow_tf32),
+# so the fp32 peak MFU is taken against depends on that setting: see ``math_key``.
 GPU_PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0},
-    "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 494.0},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5},
-    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "fp32": 82.6},
-    "V100": {"bf16": 0.0, "fp16": 125.0, "fp32": 15.7},
-    "T4": {"bf16": 0.0, "fp16": 65.0, "fp32": 8.1},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "RTX 4090": {"bf16": 165.0, "fp16": 165.0, "tf32": 82.6, "fp32": 82.6},
+    "V100": {"bf16": 0.0, "fp16": 125.0, "tf32": 0.0, "fp32": 15.7},
+    "T4": {"bf16": 0.0, "fp16": 65.0, "tf32": 0.0, "fp32": 8.1},
 }
 
 
@@ -45,13 +49,21 @@ def dtype_key(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def gpu_peak_flops(name: str, dtype: torch.dtype) -> float | None:
-    """Peak FLOP/s of the GPU called ``name`` (``torch.cuda.get_device_name``); None if unknown.
+def math_key(dtype: torch.dtype, tf32: bool | None = None) -> str:
+    """The math a CUDA matmul in ``dtype`` really runs: fp32 is TF32 only where allowed."""
+    key = dtype_key(dtype)
+    if tf32 is None:
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+    return "tf32" if key == "fp32" and tf32 else key
 
-    Longer names match first, so "H100 PCIe" is not read as the SXM part."""
+
+def gpu_peak_flops(name: str, dtype: torch.dtype, tf32: bool | None = None) -> float | None:
+    """Peak FLOP/s of the GPU called ``name`` (``torch.cuda.get_device_name``) for the math
+    ``dtype`` runs in (TF32 or not: torch's current setting when ``tf32`` is None); None if
+    unknown. Longer names match first, so "H100 PCIe" is not read as the SXM part."""
     for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in name.lower():
-            peak = GPU_PEAK_TFLOPS[key][dtype_key(dtype)]
+            peak = GPU_PEAK_TFLOPS[key][math_key(dtype, tf32)]
             return peak * 1e12 if peak else None
     return None
 
@@ -70,12 +82,50 @@ def measured_matmul_peak(dtype: torch.dtype, n: int = 512, repeats: int = 5) -> 
     return 2.0 * n**3 / best
 
 
+def cpu_peak_flops(dtype: torch.dtype, cache: Path | None = None) -> float:
+    """An estimate of this CPU's peak: the best matmul rate over three sizes, and over
+    every earlier measurement on this machine with the same threads.
+
+    One short measurement taken while other processes start up reads low, and every MFU
+    after it then reads high; the best ever seen only rises towards the true peak.
+    Cached in ``~/.cache/raylift/cpu-peaks.json`` (``cache`` overrides)."""
+    from raylift.precision import cpu_name
+
+    measured = max(measured_matmul_peak(dtype, n) for n in (256, 512, 1024))
+    key = f"{cpu_name()} | {torch.get_num_threads()} threads | {dtype_key(dtype)}"
+    return remember_best(cache or _peak_cache(), key, measured)
+
+
+def _peak_cache() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "raylift" / "cpu-peaks.json"
+
+
+def remember_best(path: Path, key: str, value: float) -> float:
+    """``max(value, what path remembers for key)``, remembered; a cache that cannot be
+    read or written is skipped, never an error."""
+    try:
+        known = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    best = max(value, float(known.get(key, 0.0)))
+    if best > float(known.get(key, 0.0)):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_text(json.dumps({**known, key: best}, indent=1))
+            tmp.replace(path)  # atomic: ranks of one host may write at once
+        except OSError:
+            pass
+    return best
+
+
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, str]:
     """The device's peak for ``dtype`` and where the number came from."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        return gpu_peak_flops(name, dtype), f"{name} datasheet ({dtype_key(dtype)} dense)"
-    return measured_matmul_peak(dtype), f"measured {dtype_key(dtype)} matmul on this CPU"
+        return gpu_peak_flops(name, dtype), f"{name} datasheet ({math_key(dtype)} dense)"
+    return cpu_peak_flops(dtype), f"estimated: best {dtype_key(dtype)} matmul on this CPU"
 
 
 def memory_now(device: torch.device) -> dict[str, float]:
@@ -192,11 +242,16 @@ def breakdown(seconds: dict[str, float], elapsed: float) -> dict[str, float]:
     return out
 
 
+def achieved_flops(samples_per_s: float, world: int, flops_per_sample: float) -> float:
+    """Model FLOP/s one worker achieves."""
+    return samples_per_s / max(world, 1) * flops_per_sample
+
+
 def mfu(samples_per_s: float, world: int, flops_per_sample: float, peak: float | None) -> float:
     """Model FLOPs utilisation of one worker; NaN when the peak is not known."""
     if not peak or flops_per_sample <= 0:
         return float("nan")
-    return samples_per_s / max(world, 1) * flops_per_sample / peak
+    return achieved_flops(samples_per_s, world, flops_per_sample) / peak
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ class DeviceFacts:
         if use_gpu:
             major, minor = torch.cuda.get_device_capability(0)
             return DeviceFacts("cuda", torch.cuda.get_device_name(0), (major, minor))
-        return DeviceFacts("cpu", _cpu_name(), cpu_flags=_cpu_flags())
+        return DeviceFacts("cpu", cpu_name(), cpu_flags=_cpu_flags())
 
 
 def choose(device: DeviceFacts) -> tuple[str, str]:
@@ -128,7 +128,7 @@ def _cpu_flags() -> frozenset[str]:
 
 
 @functools.cache
-def _cpu_name() -> str:
+def cpu_name() -> str:
     for line in _cpuinfo():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

@@ -56,6 +56,22 @@ def test_reduce_gives_throughput_mfu_and_the_breakdown_of_the_interval() -> None
     assert metrics["mem_rss_bytes"] > 0
 
 
+def test_mfu_never_exceeds_one_and_an_underestimated_peak_is_raised() -> None:
+    now = Ticks()
+    # A peak measured low (a busy start-up): 128 samples/s x 1e6 FLOP is 1.28e8 FLOP/s.
+    m = meter(
+        now, Rates(global_batch=64, flops_per_sample=1e6, tokens_per_sample=0, peak_flops=1e8)
+    )
+    for expected in (1.0, 0.5):
+        for _ in range(4):
+            with m.clock.phase("forward"):
+                now.t += 0.5 / expected  # the second interval runs at half the speed
+            m.clock.count_step(64)
+        _, metrics, _ = m.reduce(m.rotate().times, [], [])
+        assert metrics["mfu"] == pytest.approx(expected)  # against the achieved 1.28e8
+    assert m.rates.peak_flops == pytest.approx(1.28e8)
+
+
 def test_no_mfu_where_the_peak_or_the_flops_are_unknown() -> None:
     now = Ticks()
     m = meter(

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp = verbs.add_parser("export", help="consolidated fp32 state_dict from a checkpoint")
     exp.add_argument("path", help="a run folder (storage/name) or a checkpoint-step* folder")
     exp.add_argument("--out", required=True, help="where to write the state_dict, e.g. model.pt")
+    ver = verbs.add_parser("verify", help="check a run's checkpoints (sizes, checksums) offline")
+    ver.add_argument("run", help="a run folder: storage/name, e.g. runs/digits-ddp")
     return parser
 
 
@@ -74,6 +76,29 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0 when the newest checkpoint is intact, 1 when only older ones are, 2 when none."""
+    from pathlib import Path
+
+    from raylift.checkpoint import verify_run
+
+    run_dir = Path(args.run)
+    results = verify_run(run_dir)
+    if not results:
+        print(f"raylift: no checkpoint-step* folders in {run_dir}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for ckpt, problem in results:
+        print(f"{ckpt.name}: {'intact' if problem is None else problem}")
+    intact = [c for c, problem in results if problem is None]
+    if not intact:
+        print("raylift: no intact checkpoint; a rerun starts over", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if results[-1][1] is not None:
+        print(f"raylift: a rerun resumes from {intact[-1].name}, the newest intact one")
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -232,6 +257,7 @@ COMMANDS = {
     "tune": cmd_tune,
     "submit": cmd_submit,
     "export": cmd_export,
+    "verify": cmd_verify,
     "plan": cmd_plan,
     "doctor": cmd_doctor,
 }

@@ -121,3 +121,40 @@ def test_a_preemption_notice_takes_one_checkpoint_at_once(tmp_path: Path, pg: No
     steps = [int(p.name.removeprefix("checkpoint-step")) for p in reporter.checkpoints]
     assert steps == [7, 30]  # the notice at step 7, then only the end of the run
     verify_checkpoint(reporter.checkpoints[0])
+
+
+def flip_one_block(path: Path) -> None:
+    """Damage a file as a bad disk block would: same size, different bytes."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 64] = bytes(b ^ 0xFF for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+
+
+def test_a_same_size_corruption_falls_back_to_the_previous_intact_checkpoint(
+    tmp_path: Path, pg: None
+) -> None:
+    from raylift.cli import main as cli_main
+
+    reporter = LocalReporter(tmp_path)
+    run(tmp_path, reporter=reporter, train={"max_steps": 15})
+    latest = tmp_path / "checkpoint-step00000015"
+    assert cli_main(["verify", str(tmp_path)]) == 0  # all intact
+    victim = max((p for p in latest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    size = victim.stat().st_size
+    flip_one_block(victim)
+    assert victim.stat().st_size == size  # sizes alone would call it complete
+    name = str(victim.relative_to(latest))
+    with pytest.raises(CheckpointError, match=f"corrupt: {name} does not match the checksum"):
+        verify_checkpoint(latest)
+    said: list[str] = []
+    assert resume_point(latest, said.append).name == "checkpoint-step00000010"
+    assert name in said[0] and "newest complete" in said[-1]
+    assert cli_main(["verify", str(tmp_path)]) == 1  # only older ones are intact
+
+
+def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from raylift.cli import main as cli_main
+
+    assert cli_main(["verify", str(tmp_path)]) == 2
+    assert "no checkpoint-step* folders" in capsys.readouterr().err

@@ -106,9 +106,11 @@ def _run_error(exc: Exception) -> int:
     """A run that could not start (bad data or shards: exit 2) or that failed (exit 1)."""
     from raylift.data.shards import ShardError
     from raylift.data.sources import SourceError
+    from raylift.runlock import RunLocked
 
     print(f"raylift: {exc}", file=sys.stderr)
-    return EXIT_BAD_INPUT if isinstance(exc, (ShardError, SourceError)) else EXIT_FAILED
+    bad_input = (ShardError, SourceError, RunLocked)
+    return EXIT_BAD_INPUT if isinstance(exc, bad_input) else EXIT_FAILED
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -169,11 +171,15 @@ def cmd_prep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
+    from raylift.runlock import RunLocked
     from raylift.tune import parse_sweep, render, tune_run
 
     cfg = load_config(args.config, args.overrides)
     spec = parse_sweep(cfg)  # a bad tune: section fails here, before Ray starts
-    result = tune_run(cfg)
+    try:
+        result = tune_run(cfg)
+    except RunLocked as exc:
+        return _run_error(exc)
     print(render(result, spec.metric))
     if result.best is None:
         print(f"raylift: sweep {result.name!r}: no trial reported {spec.metric}", file=sys.stderr)
@@ -227,6 +233,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
     from raylift.data.sources import SourceError
     from raylift.launch import RunFailed, train
+    from raylift.runlock import RunLocked
     from raylift.startup import Startup, process_start
 
     startup = Startup.begin(process_start())  # the user waits from the command, not from here
@@ -234,7 +241,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     startup.mark("launch")
     try:
         result = train(cfg, startup=startup)
-    except (ShardError, SourceError, RunFailed) as exc:
+    except (ShardError, SourceError, RunFailed, RunLocked) as exc:
         return _run_error(exc)
     shown = "  ".join(
         f"{k} {v:.4f}"

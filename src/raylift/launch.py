@@ -14,10 +14,11 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from raylift import console, storage, tracking
+from raylift import console, runlock, storage, tracking
 from raylift.config import AUTO, Config, ConfigError
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
@@ -192,6 +193,21 @@ def train(
     ``raylift doctor`` passes the settings of its probe; the CLI passes the start-up
     clock it began at its process's start (else it begins here).
     """
+    where = storage.resolve(cfg.storage)
+    local = storage.local_path(where)
+    with runlock.hold(local / cfg.name, f"run {cfg.name!r}", log) if local else nullcontext():
+        return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup)
+
+
+def _train(
+    cfg: Config,
+    log: Any,
+    parent_run_id: str | None,
+    callbacks: Sequence[Any],
+    extra_tags: dict[str, str] | None,
+    probe: ProbeSettings | None,
+    startup: Startup | None,
+) -> TrainResult:
     started = time.perf_counter()
     if startup is None:
         startup = Startup.begin()

@@ -228,7 +228,21 @@ class SweepResult:
 
 
 def tune_run(cfg: Config, log: Any = print) -> SweepResult:
-    """Run (or resume) the sweep in ``cfg.tune``; returns the trial table and the best config."""
+    """Run (or resume) the sweep in ``cfg.tune``; returns the trial table and the best config.
+
+    One sweep per name and storage at a time: a second raises :class:`RunLocked`."""
+    from raylift import runlock, storage
+
+    local = storage.local_path(cfg.storage)
+    with (
+        runlock.hold(local / cfg.name, f"sweep {cfg.name!r}", log)
+        if local
+        else contextlib.nullcontext()
+    ):
+        return _tune_run(cfg, log)
+
+
+def _tune_run(cfg: Config, log: Any) -> SweepResult:
     from ray import tune
 
     from raylift.data.shards import shards_for_run

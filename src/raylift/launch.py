@@ -186,15 +186,16 @@ def train(
     extra_tags: dict[str, str] | None = None,
     probe: ProbeSettings | None = None,
     startup: Startup | None = None,
+    lock: bool = True,
 ) -> TrainResult:
     """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
 
     A sweep's trial passes its parent MLflow run and Tune's report callback;
     ``raylift doctor`` passes the settings of its probe; the CLI passes the start-up
-    clock it began at its process's start (else it begins here).
+    clock it began at its process's start (else it begins here). ``lock``: hold the
+    run's lock (:mod:`raylift.runlock`) on local storage.
     """
-    where = storage.resolve(cfg.storage)
-    local = storage.local_path(where)
+    local = storage.local_path(storage.resolve(cfg.storage)) if lock else None
     with runlock.hold(local / cfg.name, f"run {cfg.name!r}", log) if local else nullcontext():
         return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup)
 

@@ -47,6 +47,7 @@ def _me() -> dict[str, object]:
 def hold(folder: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
     """Hold ``folder``'s lock while the block runs; :class:`RunLocked` if a live command
     holds it."""
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
     mine = _me()
@@ -62,6 +63,9 @@ def hold(folder: Path, what: str, log: Callable[[str], None] = print) -> Iterato
         with contextlib.suppress(OSError, ValueError):
             if json.loads(path.read_text()).get("pid") == mine["pid"]:
                 path.unlink()
+        if created:  # a run that wrote nothing (bad shards, say) leaves no folder behind
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _acquire(path: Path, mine: dict[str, object], what: str, log: Callable[[str], None]) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,18 +62,30 @@ def warm(uri: str) -> None:
 
 
 def client(uri: str) -> Any:
-    """An MLflow client for ``uri``: the warmed one when :func:`warm` started it."""
+    """An MLflow client for ``uri``: the warmed one when :func:`warm` started it (a warm-up
+    that failed, a server down at the time say, is tried again here)."""
     warming = _WARMING.get(uri)
-    return warming.result() if warming is not None else _open(uri)
+    if warming is not None and warming.exception() is None:
+        return warming.result()
+    _WARMING.pop(uri, None)
+    return _open(uri)
+
+
+_IMPORTING = threading.Lock()
 
 
 def _open(uri: str) -> Any:
     _quiet_mlflow()
-    from mlflow.tracking import MlflowClient
+    # MLflow's package imports itself circularly: imported from two threads at once, one
+    # can see a half-built module. So one thread imports it, and every other MLflow
+    # import in raylift comes after a client(), which waits for that.
+    with _IMPORTING:
+        import mlflow.entities  # noqa: F401  (imported for its side effect: loaded once)
+        from mlflow.tracking import MlflowClient
 
-    mlflow = MlflowClient(tracking_uri=uri)
-    mlflow.search_experiments(max_results=1)  # creates a new store's tables now
-    return mlflow
+    opened = MlflowClient(tracking_uri=uri)
+    opened.search_experiments(max_results=1)  # creates a new store's tables now
+    return opened
 
 
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
@@ -106,10 +119,10 @@ def start_run(
 
     ``extra_tags`` may carry ``mlflow.parentRunId``: a sweep's trials are its children.
     """
+    uri, key = tracking_uri(cfg), run_key(cfg, storage)
+    mlflow = client(uri)  # first: waits for a warm-up thread's import of MLflow to finish
     from mlflow.entities import Param, RunTag
 
-    uri, key = tracking_uri(cfg), run_key(cfg, storage)
-    mlflow = client(uri)
     run_id = find_run(uri, cfg.tracking.experiment, key) if resume else None
     params = {k: str(v)[:6000] for k, v in redact(flatten(cfg.to_dict())).items()}
     tags = {
@@ -188,12 +201,13 @@ class MlflowTracker:
         self._pending.append(self._writer.submit(fn, *args))
 
     def _write_metrics(self, rows: list[tuple[str, float]], now: int, step: int) -> None:
+        mlflow = client(self.uri)  # before any MLflow import: the warm-up's must finish
         from mlflow.entities import Metric
 
-        metrics = [Metric(k, v, now, step) for k, v in rows]
-        client(self.uri).log_batch(self.run_id, metrics=metrics)
+        mlflow.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in rows])
 
     def _write_tags(self, tags: dict[str, str]) -> None:
+        mlflow = client(self.uri)
         from mlflow.entities import RunTag
 
-        client(self.uri).log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        mlflow.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

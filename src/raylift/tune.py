@@ -201,6 +201,9 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
         parent_run_id=sweep["parent_run_id"],
         callbacks=[TuneReportCallback()],
         extra_tags={"raylift.sweep": sweep["name"], "raylift.trial_id": trial_id},
+        # Tune runs one attempt of a trial at a time, and its worker process may outlive
+        # a stopped attempt: the sweep's own lock is the one that keeps commands apart.
+        lock=False,
     )
 
 

@@ -81,3 +81,9 @@ def test_the_cli_exits_2_on_a_held_run(
     finally:
         first.kill()
         first.wait()
+
+
+def test_a_run_that_wrote_nothing_leaves_no_folder(tmp_path: Path) -> None:
+    with runlock.hold(tmp_path / "runs" / "x", "run 'x'", print):
+        pass
+    assert not (tmp_path / "runs" / "x").exists()

@@ -117,6 +117,7 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         console.filter_worker_logs()
         return
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
+    env.update(own_cluster_env())
     os.environ.update(env)  # the local raylet, and so every worker, inherits these
     # The dashboard serves the State API, which Train uses to free placement groups; it
     # listens on 127.0.0.1 only.
@@ -129,6 +130,25 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         log_to_driver=True,
     )
     console.filter_worker_logs()
+
+
+def own_cluster_env() -> dict[str, str]:
+    """Pin a private local Ray's GCS port and point ``RAY_ADDRESS`` at it, for this process
+    and everything its raylet starts.
+
+    Parts of Ray Train (its placement-group cleaner, the State API) find "the" cluster
+    by looking for running GCS processes; with a second local Ray on the host (a sweep
+    beside a training run) they fail with "Found multiple active Ray instances" and
+    stopped trials' placement groups are never freed. An explicit address avoids that.
+    """
+    import socket
+
+    from ray._private.services import get_node_ip_address
+
+    with socket.socket() as probe:  # a free port now; Ray binds it a moment later
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    return {"RAY_GCS_SERVER_PORT": str(port), "RAY_ADDRESS": f"{get_node_ip_address()}:{port}"}
 
 
 def run_exists(where: str, name: str) -> bool:
@@ -217,7 +237,6 @@ def _train(
     where = storage.resolve(cfg.storage)
     resume = run_exists(where, cfg.name)
     uri = tracking.tracking_uri(cfg)
-    tracking.warm(uri)
     log(
         f"raylift: run {cfg.name!r} -> {storage.join(where, cfg.name)}  "
         f"({'resuming from its latest checkpoint' if resume else 'new run'})"

@@ -49,25 +49,8 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-_WARMING: dict[str, Future[Any]] = {}
-
-
-def warm(uri: str) -> None:
-    """Import MLflow and open the store at ``uri`` in a background thread.
-
-    Importing MLflow and creating a SQLite store take seconds; started first, they
-    overlap with what a run waits on anyway (Ray, the worker processes, gloo)."""
-    if uri not in _WARMING:
-        _WARMING[uri] = ThreadPoolExecutor(1, thread_name_prefix="mlflow-warm").submit(_open, uri)
-
-
 def client(uri: str) -> Any:
-    """An MLflow client for ``uri``: the warmed one when :func:`warm` started it (a warm-up
-    that failed, a server down at the time say, is tried again here)."""
-    warming = _WARMING.get(uri)
-    if warming is not None and warming.exception() is None:
-        return warming.result()
-    _WARMING.pop(uri, None)
+    """An MLflow client for ``uri``."""
     return _open(uri)
 
 
@@ -77,8 +60,8 @@ _IMPORTING = threading.Lock()
 def _open(uri: str) -> Any:
     _quiet_mlflow()
     # MLflow's package imports itself circularly: imported from two threads at once, one
-    # can see a half-built module. So one thread imports it, and every other MLflow
-    # import in raylift comes after a client(), which waits for that.
+    # can see a half-built module and the process's MLflow stays broken. raylift imports
+    # it here, on the caller's thread, before any of its own threads touch it.
     with _IMPORTING:
         import mlflow.entities  # noqa: F401  (imported for its side effect: loaded once)
         from mlflow.tracking import MlflowClient
@@ -120,7 +103,7 @@ def start_run(
     ``extra_tags`` may carry ``mlflow.parentRunId``: a sweep's trials are its children.
     """
     uri, key = tracking_uri(cfg), run_key(cfg, storage)
-    mlflow = client(uri)  # first: waits for a warm-up thread's import of MLflow to finish
+    mlflow = client(uri)
     from mlflow.entities import Param, RunTag
 
     run_id = find_run(uri, cfg.tracking.experiment, key) if resume else None
@@ -162,15 +145,14 @@ def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None =
 class MlflowTracker:
     """Rank 0's writer; other ranks get a NullTracker.
 
-    Writes run in order on one background thread, so the loop never waits on MLflow:
-    not on its import at start-up (seconds, on the first step's path otherwise), nor on
-    a slow store or server later. Timestamps are taken when the loop logs. A failed
-    write is raised by the next call, and :meth:`close` waits for all of them.
+    Writes run in order on one background thread, so the loop never waits on a slow
+    store or server. Timestamps are taken when the loop logs. A failed write is raised
+    by the next call, and :meth:`close` waits for all of them. MLflow itself is imported
+    here, on the loop's thread: see :func:`_open`.
     """
 
     def __init__(self, uri: str, run_id: str):
-        warm(uri)
-        self.uri, self.run_id = uri, run_id
+        self.client, self.uri, self.run_id = client(uri), uri, run_id
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log")
         self._pending: list[Future[None]] = []
 
@@ -183,7 +165,7 @@ class MlflowTracker:
         self._submit(self._write_tags, dict(tags))
 
     def log_artifact(self, path: Path, folder: str) -> None:
-        self._submit(lambda: client(self.uri).log_artifact(self.run_id, str(path), folder))
+        self._submit(lambda: self.client.log_artifact(self.run_id, str(path), folder))
 
     def close(self) -> None:
         """Wait for every write; raises the first that failed."""
@@ -201,13 +183,11 @@ class MlflowTracker:
         self._pending.append(self._writer.submit(fn, *args))
 
     def _write_metrics(self, rows: list[tuple[str, float]], now: int, step: int) -> None:
-        mlflow = client(self.uri)  # before any MLflow import: the warm-up's must finish
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # loaded by client() already: no import race
 
-        mlflow.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in rows])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in rows])
 
     def _write_tags(self, tags: dict[str, str]) -> None:
-        mlflow = client(self.uri)
         from mlflow.entities import RunTag
 
-        mlflow.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])

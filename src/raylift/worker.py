@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from raylift import storage, tracking
+from raylift import storage
 from raylift.config import Config
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
@@ -52,8 +52,6 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     logging.getLogger().setLevel(logging.WARNING)
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
-    if rank == 0:
-        tracking.warm(spec.tracking_uri)  # MLflow's imports overlap the model build
     trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
     try:
         resume(trainer, spec.config)

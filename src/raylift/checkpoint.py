@@ -150,12 +150,7 @@ def resume_point(latest: Path, log: Callable[[str], None] = print) -> Path:
         return latest
     except CheckpointError as exc:
         log(f"raylift: {exc}; looking for the previous complete checkpoint")
-    older = sorted(
-        (p for p in latest.parent.glob("checkpoint-step*") if p.is_dir()),
-        key=checkpoint_step,
-        reverse=True,
-    )
-    for candidate in older:
+    for candidate in reversed(checkpoint_dirs(latest.parent)):
         if checkpoint_step(candidate) >= checkpoint_step(latest):
             continue
         try:
@@ -171,11 +166,15 @@ def resume_point(latest: Path, log: Callable[[str], None] = print) -> Path:
     )
 
 
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """A run folder's ``checkpoint-step*`` folders, oldest first."""
+    return sorted((p for p in run_dir.glob("checkpoint-step*") if p.is_dir()), key=checkpoint_step)
+
+
 def verify_run(run_dir: Path) -> list[tuple[Path, str | None]]:
     """Every checkpoint of a run folder, oldest first, with its problem (None: intact)."""
-    found = sorted((p for p in run_dir.glob("checkpoint-step*") if p.is_dir()), key=checkpoint_step)
     out: list[tuple[Path, str | None]] = []
-    for ckpt in found:
+    for ckpt in checkpoint_dirs(run_dir):
         try:
             verify_checkpoint(ckpt)
             out.append((ckpt, None))
@@ -190,10 +189,7 @@ def newest_complete(run_dir: Path, log: Callable[[str], None] = print) -> Path |
     Ray registers a checkpoint only after its controller polls the report; a worker
     killed in between leaves a complete checkpoint that Ray does not hand back.
     """
-    found = sorted(
-        (p for p in run_dir.glob("checkpoint-step*") if (p / LOOP_FILE).is_file()),
-        key=checkpoint_step,
-    )
+    found = [p for p in checkpoint_dirs(run_dir) if (p / LOOP_FILE).is_file()]
     if not found:
         return None
     try:

@@ -49,15 +49,11 @@ def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-def client(uri: str) -> Any:
-    """An MLflow client for ``uri``."""
-    return _open(uri)
-
-
 _IMPORTING = threading.Lock()
 
 
-def _open(uri: str) -> Any:
+def client(uri: str) -> Any:
+    """An MLflow client for ``uri``."""
     _quiet_mlflow()
     # MLflow's package imports itself circularly: imported from two threads at once, one
     # can see a half-built module and the process's MLflow stays broken. raylift imports
@@ -66,9 +62,7 @@ def _open(uri: str) -> Any:
         import mlflow.entities  # noqa: F401  (imported for its side effect: loaded once)
         from mlflow.tracking import MlflowClient
 
-    opened = MlflowClient(tracking_uri=uri)
-    opened.search_experiments(max_results=1)  # creates a new store's tables now
-    return opened
+    return MlflowClient(tracking_uri=uri)
 
 
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
@@ -148,11 +142,11 @@ class MlflowTracker:
     Writes run in order on one background thread, so the loop never waits on a slow
     store or server. Timestamps are taken when the loop logs. A failed write is raised
     by the next call, and :meth:`close` waits for all of them. MLflow itself is imported
-    here, on the loop's thread: see :func:`_open`.
+    here, on the loop's thread: see :func:`client`.
     """
 
     def __init__(self, uri: str, run_id: str):
-        self.client, self.uri, self.run_id = client(uri), uri, run_id
+        self.client, self.run_id = client(uri), run_id
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log")
         self._pending: list[Future[None]] = []
 

@@ -93,11 +93,13 @@ def run_raylift(
     return first.timestamp / 1000 - started, ended - started
 
 
-def raylift_train(home: Path, name: str, env: dict[str, str], extra: list[str]) -> str:
-    """``raylift train`` on the quickstart from ``home``'s shards; returns its stdout."""
+def raylift_train(
+    home: Path, name: str, env: dict[str, str], extra: list[str], config: Path = QUICKSTART
+) -> str:
+    """``raylift train`` on ``config`` from ``home``'s shards; returns its stdout."""
     args = [
         "train",
-        str(QUICKSTART),
+        str(config),
         f"name={name}",
         f"storage={home / 'runs'}",
         f"data.shards={home / 'shards'}",
@@ -110,10 +112,12 @@ def raylift_train(home: Path, name: str, env: dict[str, str], extra: list[str]) 
     return proc.stdout
 
 
-def prep_shards(home: Path, env: dict[str, str]) -> None:
-    """``raylift prep`` of the quickstart into ``home/shards`` (once per dataset, untimed)."""
+def prep_shards(
+    home: Path, env: dict[str, str], config: Path = QUICKSTART, extra: tuple[str, ...] = ()
+) -> None:
+    """``raylift prep`` of ``config`` into ``home/shards`` (once per dataset)."""
     subprocess.run(
-        [*RAYLIFT, "prep", str(QUICKSTART), f"data.shards={home / 'shards'}"],
+        [*RAYLIFT, "prep", str(config), f"data.shards={home / 'shards'}", *extra],
         check=True,
         capture_output=True,
         env=env,

@@ -1,21 +1,28 @@
-"""The naive pipeline the speed guides warn about against raylift's, to the same accuracy.
+"""The naive image pipeline the speed guides warn about against raylift's, on one device.
 
-    python benchmarks/pipeline.py [--target 0.98] [--epochs 30] [key=value ...]
+    python benchmarks/pipeline.py [--images 3000] [--size 32] [--epochs 15] [--target 0.95]
 
-Same task (the digits CNN of configs/quickstart.yaml, the same train/val split), same
-global batch (64), optimizer and learning rate, judged by the same val accuracy target.
+A folder of JPEGs (and some PNGs) of drawn shapes, three classes, 256 px as photos
+are at least (``tests/corpora.py``; written once, not timed), the same train/val split (the
+``images`` task's hash of the path), the same ResNet (``raylift.tasks.images``), the
+same global batch (64), AdamW settings, crop-and-flip augmentation and image size.
+Both sides run on the same device: the GPU when there is one, else the CPU.
 
-- naive: the images as PNG files on disk (written once, not timed), decoded one by one
-  in ``Dataset.__getitem__``, converted to float32 and normalised on the CPU there,
-  ``DataLoader(num_workers=0)``, fp32, ``loss.item()`` after every step, a fixed number
-  of epochs (``--epochs``, the quickstart's ``max_epochs``) with an evaluation after
-  each, no early stopping: one process using every core.
-- raylift: ``raylift train configs/quickstart.yaml`` from shards ``raylift prep`` wrote
-  (uint8, timed separately: it runs once per dataset), streamed with prefetch, bf16-mixed,
-  early stopping, 2 workers; from a fresh local Ray, and joining a running Ray.
+- naive, torchvision's ``ImageFolder`` recipe written out: per sample in
+  ``__getitem__``, PIL decode, resize and centre crop, reflection pad, random crop and
+  flip, ``ToTensor`` and normalise, all in fp32 on the host; ``DataLoader(num_workers=0)``;
+  fp32; ``loss.item()`` after every step; a fixed number of epochs (``--epochs``) with an
+  evaluation after each and no early stopping; one process.
+- raylift: ``raylift prep configs/images.yaml`` (decode and resize once into uint8
+  shards; timed separately, it runs once per dataset), then ``raylift train`` from a
+  fresh local Ray: the prefetching stream, uint8 to the device, crop, flip and
+  normalise there, ``precision: auto``, early stopping on val_loss (patience 4); the
+  same ``--epochs`` cap. 2 CPU workers, or one per GPU.
 
-Prints the wall time of each to exit, its final val accuracy, when the naive run first
-reached the target, and the ratio naive / raylift (goal: >= 5x).
+Prints, per side, the wall time to exit, the val accuracy at exit and the time at which
+val accuracy first reached ``--target`` (raylift's from the timestamps of its MLflow
+metrics, measured from the command's start), then naive / raylift for each, with and
+without prep (goal, to exit: >= 5x on a CPU, >= 10x on one GPU).
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ import argparse
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,32 +48,39 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "benchmarks"))
+from launch import prep_shards, raylift_train  # noqa: E402
 
-from launch import prep_shards, raylift_train, start_head  # noqa: E402
+from raylift.data.sources import in_val  # noqa: E402
+from raylift.tasks.images import MEAN, STD, ResNet, list_images  # noqa: E402
+from tests.corpora import write_image_folder  # noqa: E402
 
-from raylift.tasks.digits import _MEAN, _STD, DigitsNet, DigitsTask  # noqa: E402
-
-
-def write_pngs(root: Path) -> dict[str, list[tuple[Path, int]]]:
-    """The dataset as it often sits on disk: one 8-bit PNG per image."""
-    from PIL import Image
-
-    out: dict[str, list[tuple[Path, int]]] = {}
-    for split, cols in DigitsTask().sources().items():
-        (root / split).mkdir(parents=True)
-        items = []
-        for i, (image, label) in enumerate(zip(cols["image"], cols["label"], strict=True)):
-            path = root / split / f"{i:05d}_{label}.png"
-            Image.fromarray((image.astype(np.uint16) * 255 // 16).astype(np.uint8)).save(path)
-            items.append((path, int(label)))
-        out[split] = items
-    return out
+CONFIG = REPO / "configs" / "images.yaml"
+BATCH, LR, WEIGHT_DECAY, PAD, VAL_PERCENT = 64, 3e-3, 0.05, 4, 10
 
 
-class PngDigits(Dataset):
-    def __init__(self, items: list[tuple[Path, int]]):
-        self.items = items
+def split(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+    """The images task's classes and train/val split, as (path, label) pairs."""
+    classes, found = list_images(str(root))
+    paths = found[""]
+    base = str(root)
+    val = {p for p in paths if in_val(p[len(base) :].lstrip("/").encode(), VAL_PERCENT)}
+    label = {c: i for i, c in enumerate(classes)}
+    pairs = {p: label[Path(p).parent.name] for p in paths}
+    return classes, {
+        "train": [(p, y) for p, y in pairs.items() if p not in val],
+        "val": [(p, y) for p, y in pairs.items() if p in val],
+    }
+
+
+class ImageFolderLike(Dataset):
+    """``ImageFolder`` with Resize, CenterCrop, [RandomCrop(pad), RandomHorizontalFlip],
+    ToTensor and Normalize, in ``__getitem__``, one sample at a time."""
+
+    def __init__(self, items: list[tuple[str, int]], size: int, train: bool):
+        self.items, self.size, self.train = items, size, train
+        self.mean = np.asarray(MEAN, np.float32)[:, None, None]
+        self.std = np.asarray(STD, np.float32)[:, None, None]
+        self.rng = np.random.default_rng(0)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -73,22 +89,38 @@ class PngDigits(Dataset):
         from PIL import Image
 
         path, label = self.items[i]
-        x = np.asarray(Image.open(path), dtype=np.float32) / 255.0
-        x = (x - _MEAN) / _STD
-        return torch.from_numpy(x)[None], label
+        s = self.size
+        with Image.open(path) as raw:
+            img = raw.convert("RGB")
+        w, h = img.size
+        scale = s / min(w, h)
+        img = img.resize((max(s, round(w * scale)), max(s, round(h * scale))))
+        left, top = (img.size[0] - s) // 2, (img.size[1] - s) // 2
+        x = np.asarray(img.crop((left, top, left + s, top + s)), np.float32) / 255.0
+        x = x.transpose(2, 0, 1)
+        if self.train:
+            x = np.pad(x, ((0, 0), (PAD, PAD), (PAD, PAD)), mode="reflect")
+            r, c = self.rng.integers(0, 2 * PAD + 1, 2)
+            x = x[:, r : r + s, c : c + s]
+            if self.rng.random() < 0.5:
+                x = x[:, :, ::-1]
+        x = (x - self.mean) / self.std
+        return torch.from_numpy(np.ascontiguousarray(x)), label
 
 
-def naive(files: dict[str, list[tuple[Path, int]]], epochs: int, target: float) -> dict:
+def naive(items: dict[str, list[tuple[str, int]]], opts: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     torch.manual_seed(0)
-    model = DigitsNet(32, 0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    train = DataLoader(PngDigits(files["train"]), batch_size=64, shuffle=True, num_workers=0)
-    val = DataLoader(PngDigits(files["val"]), batch_size=64, num_workers=0)
+    model = ResNet(3, opts.width).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    train = DataLoader(ImageFolderLike(items["train"], opts.size, True), BATCH, shuffle=True)
+    val = DataLoader(ImageFolderLike(items["val"], opts.size, False), BATCH)
     losses, reached, acc = [], math.nan, 0.0
-    for _ in range(epochs):
+    for epoch in range(opts.epochs):
         model.train()
         for x, y in train:
+            x, y = x.to(device), y.to(device)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -98,63 +130,97 @@ def naive(files: dict[str, list[tuple[Path, int]]], epochs: int, target: float) 
         correct = 0
         with torch.no_grad():
             for x, y in val:
-                correct += int((model(x).argmax(-1) == y).sum())
-        acc = correct / len(files["val"])
-        if acc >= target and math.isnan(reached):
+                correct += int((model(x.to(device)).argmax(-1) == y.to(device)).sum())
+        acc = correct / len(items["val"])
+        print(f"  naive epoch {epoch}: val_acc {acc:.4f}", flush=True)
+        if acc >= opts.target and math.isnan(reached):
             reached = time.perf_counter() - started
     return {"seconds": time.perf_counter() - started, "val_acc": acc, "reached": reached}
 
 
-def raylift(home: Path, name: str, env: dict[str, str], overrides: list[str]) -> dict:
-    started = time.perf_counter()
-    out = raylift_train(home, name, env, overrides)
+def overrides(root: Path, opts: argparse.Namespace, gpus: int) -> list[str]:
+    return [
+        f"task_args.root={root}",
+        f"task_args.image_size={opts.size}",
+        f"task_args.width={opts.width}",
+        f"train.max_epochs={opts.epochs}",
+        f"scaling.num_workers={gpus or 2}",
+        f"data.batch_size={BATCH // (gpus or 2)}",  # per worker: the same global batch
+        f"scaling.use_gpu={str(gpus > 0).lower()}",
+        *opts.overrides,
+    ]
+
+
+def raylift(home: Path, extra: list[str], target: float) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    started = time.time()
+    out = raylift_train(home, "pipeline", env, extra, config=CONFIG)
+    seconds = time.time() - started
     found = re.search(r"at step (\d+): .*val_acc ([\d.]+)", out)
-    assert found, out[-2000:]
+    run_id = re.search(r"MLflow run (\w+)", out)
+    assert found and run_id, out[-2000:]
+    history = MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_metric_history(
+        run_id.group(1), "val_acc"
+    )
+    hits = sorted(m.timestamp for m in history if m.value >= target)
     return {
-        "seconds": time.perf_counter() - started,
+        "seconds": seconds,
         "val_acc": float(found.group(2)),
         "step": int(found.group(1)),
+        "reached": hits[0] / 1000 - started if hits else math.nan,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=float, default=0.98)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("overrides", nargs="*", help="for raylift train, e.g. scaling.use_gpu=true")
+    parser.add_argument("--images", type=int, default=3000, help="in all, three classes")
+    parser.add_argument("--source-size", type=int, default=256, help="the JPEGs' size, px")
+    parser.add_argument("--size", type=int, default=32, help="training image size, px")
+    parser.add_argument("--width", type=int, default=16, help="the ResNet's first width")
+    parser.add_argument("--epochs", type=int, default=15)
+    parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("overrides", nargs="*", help="for raylift, e.g. data.prefetch_batches=8")
     opts = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="rl-pipe-", dir="/tmp"))
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    files = write_pngs(home / "png")
-    slow = naive(files, opts.epochs, opts.target)
-    print(f"naive: {slow}", flush=True)
-    prep_started = time.perf_counter()
-    prep_shards(home, env)
-    prep = time.perf_counter() - prep_started
-    fresh = raylift(home, "fresh", env, opts.overrides)
-    print(f"raylift (fresh local Ray): {fresh}", flush=True)
-    address, ray = start_head(home)
+    home = Path(tempfile.mkdtemp(prefix="rl-pipe-", dir="/tmp"))  # short: Ray's sockets
+    gpus = torch.cuda.device_count()
     try:
-        ray_env = {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
-        joined = raylift(home, "joined", ray_env, opts.overrides)
+        root = write_image_folder(home / "images", opts.images // 3, size=opts.source_size)
+        _, items = split(root)
+        slow = naive(items, opts)
+        print(f"naive: {slow}", flush=True)
+        extra = overrides(root, opts, gpus)
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+        prep_started = time.perf_counter()
+        prep_shards(home, env, CONFIG, tuple(extra))
+        prep = time.perf_counter() - prep_started
+        fast = raylift(home, extra, opts.target)
+        print(f"raylift: {fast}", flush=True)
     finally:
-        ray.shutdown()  # type: ignore[attr-defined]
-    print(f"raylift (running Ray): {joined}", flush=True)
+        shutil.rmtree(home, ignore_errors=True)
+    report(slow, fast, prep, items, opts, gpus)
+
+
+def report(
+    slow: dict, fast: dict, prep: float, items: dict, opts: argparse.Namespace, gpus: int
+) -> None:
+    device = f"{gpus} GPU" if gpus else "CPU"
     print(
-        f"\n{describe()}; target val_acc "
-        f"{opts.target}; raylift prep (once per dataset) {prep:.1f} s"
+        f"\n{describe()}; {device}; {len(items['train'])} train / {len(items['val'])} val "
+        f"images, {opts.size} px, target val_acc {opts.target}; "
+        f"raylift prep (once per dataset) {prep:.1f} s"
     )
-    print(f"{'pipeline':<28}{'wall time':>11}{'val_acc':>9}{'naive / this':>14}")
-    for name, r in (
-        ("naive", slow),
-        ("raylift, fresh local Ray", fresh),
-        ("raylift, running Ray", joined),
-    ):
+    print(f"{'pipeline':<22}{'to exit':>10}{'val_acc':>9}{'to target':>11}")
+    for name, r in (("naive", slow), ("raylift", fast)):
+        print(f"{name:<22}{r['seconds']:>8.1f} s{r['val_acc']:>9.4f}{r['reached']:>9.1f} s")
+    print(f"raylift stopped early at step {fast['step']}")
+    print(f"{'naive / raylift':<22}{'to exit':>10}{'to target':>11}")
+    for label, extra in (("without prep", 0.0), ("with prep", prep)):
         print(
-            f"{name:<28}{r['seconds']:>9.1f} s{r['val_acc']:>9.4f}"
-            f"{slow['seconds'] / r['seconds']:>13.2f}x"
+            f"{label:<22}{slow['seconds'] / (fast['seconds'] + extra):>9.2f}x"
+            f"{slow['reached'] / (fast['reached'] + extra):>10.2f}x"
         )
-    print(f"the naive run first reached {opts.target} after {slow['reached']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ logging interval (:mod:`raylift.progress`); saving and restoring is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 from collections.abc import Iterator
@@ -23,11 +24,12 @@ from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
+from raylift.init import initialize
 from raylift.metrics import PhaseClock, StepTimes, all_reduce_max, all_reduce_sum, peak_flops
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
 from raylift.progress import Interval, IntervalMeter, Rates, console_line
-from raylift.strategies import Engine, build_engine
+from raylift.strategies import Engine, spec_for
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 
 __all__ = [
@@ -124,15 +126,20 @@ class Trainer:
 
     def _build_engine(self) -> tuple[Engine, float]:
         """The wrapped model, and its training FLOPs per sample (for MFU)."""
-        cfg = self.cfg
-        seed_everything(cfg.train.seed)  # identical initial weights on every rank
-        model = self.task.build_model()
-        # Counted before wrapping: ZeRO-3 leaves its parameters empty on every rank.
+        cfg, device = self.cfg, self.ctx.device
+        spec = spec_for(cfg.strategy.name)
+        seed_everything(cfg.train.seed)
+        with spec.create(cfg, self.precision, device):  # no storage where it shards params
+            model = self.task.build_model()
         fps = flops_per_sample(self.task, model)
         if cfg.train.compile:
             apply_compile(model, self.task)
         blocks = blocks_of(self.task, model)
-        engine = build_engine(model, cfg, self.precision, self.ctx.device, blocks)
+        # The same seeded pass on every rank and strategy: identical initial weights.
+        sharded = any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
+        self.sharded_init = sharded  # created without the whole model's storage
+        init = functools.partial(initialize, model, self.task, cfg.train.seed, sharded=sharded)
+        engine = spec.build(model, cfg, self.precision, device, blocks, init)
         engine.skip_nonfinite = cfg.train.on_nan == "skip"
         return engine, fps
 

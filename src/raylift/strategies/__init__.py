@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-from torch import nn
-
 from raylift.config import AUTO, Config, StrategyConfig
-from raylift.precision import Precision
 from raylift.strategies import ddp, deepspeed, fairscale, fsdp
 from raylift.strategies.base import Engine, TorchEngine
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
@@ -29,7 +25,6 @@ __all__ = [
     "Shards",
     "StrategySpec",
     "TorchEngine",
-    "build_engine",
     "config_problems",
     "plan_row",
     "plan_row_for",
@@ -45,16 +40,6 @@ def spec_for(name: str) -> StrategySpec:
         raise ValueError(
             f"strategy.name: {name!r} has no engine; choose one of {sorted(REGISTRY)}"
         ) from None
-
-
-def build_engine(
-    model: nn.Module,
-    cfg: Config,
-    precision: Precision,
-    device: torch.device,
-    blocks: list[nn.Module],
-) -> Engine:
-    return spec_for(cfg.strategy.name).build(model, cfg, precision, device, blocks)
 
 
 def config_problems(cfg: Config) -> list[str]:

@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raylift.config import Config
+from raylift.init import Initializer, write_in_place
 from raylift.optim import build_optimizer
 from raylift.precision import Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
@@ -25,7 +26,9 @@ def build_ddp(
     precision: Precision,
     device: torch.device,
     blocks: list[nn.Module],
+    init: Initializer,
 ) -> TorchEngine:
+    init(write_in_place)
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     model = model.to(device=device, dtype=precision.param_dtype)

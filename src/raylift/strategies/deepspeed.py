@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raylift.config import AUTO, Config, merge
+from raylift.init import Initializer, write_in_place, write_zero3
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import apply_activation_checkpointing
@@ -166,10 +167,12 @@ def build_deepspeed(
     precision: Precision,
     device: torch.device,
     blocks: list[nn.Module],
+    init: Initializer,
 ) -> DeepSpeedEngine:
     config = ds_config(cfg, precision)  # its problems before the slow import
     deepspeed = import_deepspeed(device.type)
     use_the_run_process_group()
+    init(write_zero3 if cfg.strategy.zero_stage == 3 else write_in_place)
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
@@ -188,6 +191,19 @@ def build_deepspeed(
         dist_init_required=False,  # the run's gloo/nccl group is already up
     )
     return DeepSpeedEngine(ds_engine, optimizer, precision, cfg.train.grad_clip)
+
+
+def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
+    """ZeRO-3 partitions each parameter as its module is built: no rank ever holds the
+    whole model (``deepspeed.zero.Init``); other stages build it whole."""
+    if cfg.strategy.zero_stage != 3:
+        return contextlib.nullcontext()
+    config = ds_config(cfg, precision)
+    deepspeed = import_deepspeed(device.type)
+    use_the_run_process_group()
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # as in build_deepspeed
+    offload = config["zero_optimization"].get("offload_param", {}).get("device") == "cpu"
+    return deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if offload else None)
 
 
 def use_the_run_process_group() -> None:
@@ -473,6 +489,7 @@ SPEC = StrategySpec(
     problems=problems,
     build=build_deepspeed,
     read_export=consolidated_state_dict,
+    create=create,
     plan_rows=(
         _zero_row("zero1", 1, Shards(False, False, True), comm_rank=1),
         _zero_row("zero2", 2, Shards(False, True, True), comm_rank=3),

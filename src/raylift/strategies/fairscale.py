@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raylift.config import Config
+from raylift.init import Initializer, write_in_place
 from raylift.optim import optimizer_class_and_kwargs, param_groups
 from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
@@ -72,9 +73,11 @@ def build_fairscale(
     precision: Precision,
     device: torch.device,
     blocks: list[nn.Module],
+    init: Initializer,
 ) -> TorchEngine:
     from fairscale.nn.data_parallel import ShardedDataParallel
 
+    init(write_in_place)
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     model = model.to(device=device, dtype=precision.param_dtype)

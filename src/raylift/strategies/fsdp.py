@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from raylift.config import Config
+from raylift.init import Initializer, materialize, params_on_meta, write_dtensor
 from raylift.optim import build_optimizer
 from raylift.precision import Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
@@ -70,6 +71,7 @@ def build_fsdp(
     precision: Precision,
     device: torch.device,
     blocks: list[nn.Module],
+    init: Initializer,
 ) -> TorchEngine:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,7 +84,8 @@ def build_fsdp(
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     s = cfg.strategy
-    model = model.to(device=device, dtype=precision.param_dtype)
+    # Created on the meta device (``create`` below): the dtype is set before storage exists.
+    model = model.to(dtype=precision.param_dtype)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.activation_checkpointing:
         apply_activation_checkpointing(blocks)
@@ -104,6 +107,8 @@ def build_fsdp(
         offload_policy=offload,
         reshard_after_forward=False,
     )
+    materialize(model, device)  # each rank allocates its own shards, and only those
+    init(write_dtensor)
     optimizer = build_optimizer(model, cfg.optim)
     # Each rank sees only its gradient shards: the scaler must agree on inf across ranks.
     scaler = ShardedGradScaler(device.type) if precision.use_scaler else None
@@ -126,5 +131,6 @@ SPEC = StrategySpec(
     problems=problems,
     build=build_fsdp,
     read_export=read_dcp_model,
+    create=lambda cfg, precision, device: params_on_meta(),
     plan_rows=(PlanRow("fsdp", {"name": "fsdp"}, Shards(True, True, True), comm_rank=4),),
 )

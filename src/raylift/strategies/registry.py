@@ -6,6 +6,7 @@ submit and doctor read facts from there and never branch on a strategy's name.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -15,11 +16,17 @@ import torch
 from torch import nn
 
 from raylift.config import Config
+from raylift.init import Initializer
 from raylift.precision import Precision
 from raylift.strategies.base import Engine
 
-# (model, config, precision, device, the model's repeated blocks) -> engine
-Builder = Callable[[nn.Module, Config, Precision, torch.device, list[nn.Module]], Engine]
+# (model, config, precision, device, the model's repeated blocks, the initial-weights
+# pass, which the builder runs once the parameters have their storage) -> engine
+Builder = Callable[
+    [nn.Module, Config, Precision, torch.device, list[nn.Module], Initializer], Engine
+]
+# (config, precision, device) -> the context the task's model is created in
+Creator = Callable[[Config, Precision, torch.device], contextlib.AbstractContextManager[None]]
 # a checkpoint's engine/ folder -> the plain model's state_dict
 ExportReader = Callable[[Path], dict[str, torch.Tensor]]
 
@@ -58,6 +65,8 @@ class StrategySpec:
     read_export: ExportReader
     plan_rows: tuple[PlanRow, ...]
     extras: tuple[str, ...] = ()  # pip requirements a cluster image may lack (raylift submit)
+    # Sharding strategies create the model without parameter storage (raylift.init).
+    create: Creator = lambda cfg, precision, device: contextlib.nullcontext()
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -208,6 +208,10 @@ class GPTTask:
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]
 
+    def init_weights(self, module: nn.Module) -> None:
+        """GPT-2's initial weights, module by module (see raylift.init)."""
+        GPT._init(module)
+
     def sources(self) -> dict[str, Source]:
         if self.corpus == "stdlib":
             root = str(stdlib_root())
@@ -323,5 +327,6 @@ class GPTTask:
 
     def flops_per_sample(self, model: nn.Module) -> float:
         """Training FLOPs of one sample: 6 x parameters per token (forward + backward)."""
-        params = sum(p.numel() for p in model.parameters())
+        # ZeRO-3 builds the parameters partitioned: ds_numel is the whole one's size.
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         return 6.0 * params * self.block_size

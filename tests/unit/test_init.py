@@ -1,0 +1,152 @@
+"""Initial weights without the whole model on a rank: meta/zero.Init creation, then one
+seeded pass that every strategy runs, so sharded and eager builds start identical."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from raylift.config import merge
+from raylift.init import InitError, initialize, materialize, params_on_meta, write_in_place
+from raylift.tasks import build_task
+from tests.helpers import GPT_SMALL, LocalReporter, config_from_dict, make_config, run_ranks
+
+ZERO3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
+STRATEGIES = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero3": {"name": "deepspeed", "zero_stage": 3, "config": ZERO3},
+}
+
+
+def eager(task: Any, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = task.build_model()
+    initialize(model, task, seed, write_in_place, sharded=False)
+    return model
+
+
+def test_meta_build_then_pass_equals_the_eager_build() -> None:
+    """One rank's view of the sharded path: no storage at creation, the pass gives it values."""
+    task = build_task("gpt", GPT_SMALL["task_args"])
+    with params_on_meta():
+        shell = task.build_model()
+    assert all(p.is_meta for p in shell.parameters())
+    assert shell.head.weight is shell.tok.weight  # ties survive
+    materialize(shell, torch.device("cpu"))
+    initialize(shell, task, 0, write_in_place, sharded=True)
+    ref = eager(task).state_dict()
+    got = shell.state_dict()
+    assert ref.keys() == got.keys()
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=k)
+    assert shell.head.weight is shell.tok.weight
+
+
+def test_the_pass_keeps_the_tasks_own_init() -> None:
+    """gpt's init_weights draws N(0, 0.02), as its constructor does; LayerNorm gets 1 and 0."""
+    task = build_task("gpt", GPT_SMALL["task_args"])
+    model = eager(task)
+    assert abs(float(model.blocks[0].qkv.weight.detach().std()) - 0.02) < 2e-3
+    assert torch.equal(model.blocks[0].qkv.bias, torch.zeros_like(model.blocks[0].qkv.bias))
+    assert torch.equal(model.ln_f.weight, torch.ones_like(model.ln_f.weight))
+
+
+class _Bare(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))  # no reset_parameters sets it
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale @ self.mask
+
+
+def test_buffers_keep_their_values_and_unset_parameters_are_named() -> None:
+    with params_on_meta():
+        model = _Bare()
+    assert not model.mask.is_meta
+    materialize(model, torch.device("cpu"))
+    assert torch.equal(model.mask, torch.tril(torch.ones(4, 4)))
+    with pytest.raises(InitError, match=r"\['scale'\].*init_weights\(module\)"):
+        initialize(model, None, 0, write_in_place, sharded=True)
+
+    class Fixes:
+        def init_weights(self, module: nn.Module) -> None:
+            if isinstance(module, _Bare):
+                nn.init.ones_(module.scale)
+
+    initialize(model, Fixes(), 0, write_in_place, sharded=True)
+    assert torch.equal(model.scale.detach(), torch.ones(4))
+
+
+# ---------------------------------------------------------------- on 2 ranks
+
+
+def whole_params(engine: Any) -> dict[str, torch.Tensor]:
+    """The full parameters of any engine (collective for FSDP2 and ZeRO-3)."""
+    from raylift.strategies.deepspeed import DeepSpeedEngine
+    from tests.helpers import full_params
+
+    if not isinstance(engine, DeepSpeedEngine):
+        return full_params(engine.model)
+    import deepspeed
+
+    module = engine.ds.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return {k: v.detach().float().clone() for k, v in module.state_dict().items()}
+
+
+def initial_params(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
+    from tests.helpers import make_trainer
+
+    found: dict[str, Any] = {}
+    for name, cfg_dict in runs.items():
+        cfg = config_from_dict(cfg_dict)
+        trainer = make_trainer(cfg, rank, world, LocalReporter(Path(out).parent / name))
+        model = getattr(trainer.engine, "ds", trainer.engine.model)
+        found[name] = {
+            "params": whole_params(trainer.engine),
+            "meta_or_partitioned": trainer.sharded_init,
+            "local": sum(p.numel() for p in _local_tensors(model)),
+        }
+    if rank == 0:
+        torch.save(found, out)
+
+
+def _local_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """What this rank stores of each parameter: its DTensor shard, ZeRO-3 partition or all."""
+    out = []
+    for p in model.parameters():
+        if hasattr(p, "ds_tensor"):
+            out.append(p.ds_tensor)
+        elif hasattr(p, "to_local"):
+            out.append(p.to_local())
+        else:
+            out.append(p)
+    return out
+
+
+def test_sharded_strategies_start_from_the_eager_weights(tmp_path: Path) -> None:
+    runs = {
+        name: make_config(**merge(GPT_SMALL, {"strategy": s})).to_dict()
+        for name, s in STRATEGIES.items()
+    }
+    run_ranks(2, tmp_path, initial_params, runs, str(tmp_path / "init.pt"))
+    found = torch.load(tmp_path / "init.pt", weights_only=True)
+    ref = found["ddp"]["params"]
+    total = sum(v.numel() for k, v in ref.items() if k != "head.weight")  # tied to tok
+    assert not found["ddp"]["meta_or_partitioned"]
+    for name in ("fsdp", "zero3"):
+        assert found[name]["meta_or_partitioned"], name
+        got = found[name]["params"]
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], rtol=0, atol=0, msg=f"{name} {k}")
+        # each rank stores about half: its shards, never the whole model
+        assert found[name]["local"] <= 0.55 * total, (name, found[name]["local"], total)
+    assert found["ddp"]["local"] == total

@@ -20,14 +20,17 @@ import torch
 import torch.multiprocessing as mp
 
 from raylift.config import Config, merge
-from raylift.plan import activations_per_sample, count_params, model_states
+from raylift.plan import count_params, make_plan
 from raylift.strategies import plan_row_for
 
 MIB = 2**20
+# Every parameter partitioned, however small (DeepSpeed keeps those under 1e5 elements whole).
+ZERO3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
 
 def gpt_config(strategy: dict, d_model: int, n_layer: int, optim: str = "sgd") -> dict:
-    """A gpt of ``12 * n_layer * d_model**2`` parameters or so, for a few steps."""
+    """A gpt of ``12 * n_layer * d_model**2`` parameters or so, for a few steps; SGD with
+    momentum (one state tensor per parameter) unless ``optim`` says otherwise."""
     from tests.helpers import make_config
 
     return make_config(
@@ -37,12 +40,12 @@ def gpt_config(strategy: dict, d_model: int, n_layer: int, optim: str = "sgd") -
             "n_layer": n_layer,
             "n_head": 8,
             "d_model": d_model,
-            "max_bytes": 40_000,
+            "max_bytes": 20_000,
         },
-        data={"batch_size": 2},
+        data={"batch_size": 2, "eval_batch_size": 64},  # one evaluation forward
         precision="32",
         strategy=strategy,
-        optim={"name": optim, "lr": 1e-3, "momentum": 0.0} if optim == "sgd" else {"lr": 1e-3},
+        optim={"name": optim, "lr": 1e-3},
         train={"max_steps": 3, "log_every_n_steps": 3, "seed": 0},
         checkpoint={"every_n_steps": None},
     ).to_dict()
@@ -119,13 +122,16 @@ def measure(cfg_dicts: list[dict], world: int = 2) -> list[list[dict[str, Any]]]
 
 
 def planned_bytes(cfg: Config, world: int = 2) -> dict[str, int]:
-    """What ``raylift plan`` says one rank holds: model states and activations."""
+    """What ``raylift plan`` says one rank holds: model states, buffers and activations."""
     row = plan_row_for(cfg.strategy)
     assert row is not None, cfg.strategy
-    params, grads, optim = model_states(row.label, count_params(cfg), cfg, world)
-    act = activations_per_sample(cfg, checkpointing=False) * cfg.data.batch_size
-    states = params + grads + optim
-    return {"states": states, "activations": act, "total": states + act}
+    planned = next(r for r in make_plan(cfg, world, 1e6).rows if r.label == row.label)
+    return {
+        "states": planned.states,
+        "buffers": planned.buffers,
+        "activations": planned.activations,
+        "total": planned.fixed + planned.activations,
+    }
 
 
 def full_model_bytes(cfg: Config) -> int:

@@ -33,10 +33,16 @@ class Row:
     activations: int  # at the configured micro-batch
     activations_ckpt: int  # the same with activation checkpointing
     refused: list[str]  # what the config alone shows wrong with this strategy; empty: usable
+    buffers: int = 0  # gathered blocks and gradient buckets of sharding strategies
 
     @property
     def states(self) -> int:
         return self.params + self.grads + self.optimizer
+
+    @property
+    def fixed(self) -> int:
+        """Bytes held whatever the micro-batch: states and buffers."""
+        return self.states + self.buffers
 
 
 @dataclasses.dataclass
@@ -69,7 +75,7 @@ def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[in
     row = plan_row(label)
     width = planned_precision(cfg).param_dtype.itemsize
     optimizer = n_params * width * optimizer_slots(cfg)
-    if row.fp32_master:
+    if row.fp32_master and width != 4:  # fp32 weights are their own master (deepspeed.py)
         optimizer += n_params * 4
     full = (n_params * width, n_params * width, optimizer)
     held = [b // world if sharded else b for b, sharded in zip(full, row.shards, strict=True)]
@@ -128,6 +134,19 @@ def activations_per_sample(cfg: Config, checkpointing: bool) -> int:
     )
 
 
+def largest_block(cfg: Config) -> int:
+    """Parameters of the model's largest repeated block (the whole model where the task
+    names none): what a sharding strategy gathers at a time."""
+    from raylift.tasks import build_task
+    from raylift.tasks.base import blocks_of
+
+    task = build_task(cfg.task, cfg.task_args)
+    with torch.device("meta"):
+        model = task.build_model()
+    blocks = blocks_of(task, model) or [model]
+    return max(sum(p.numel() for p in b.parameters()) for b in blocks)
+
+
 def count_params(cfg: Config) -> int:
     from raylift.tasks import build_task
 
@@ -145,6 +164,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
     n_params, batch = count_params(cfg), cfg.data.batch_size
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
+    block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
     rows = [
         Row(
             row.label,
@@ -153,6 +173,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
             per_sample * batch,
             per_sample_ckpt * batch,
             refusals(cfg, row),
+            row.block_buffers * block,
         )
         for row in plan_rows()
     ]
@@ -160,11 +181,11 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
     usable = [r for r in rows if not r.refused]
     for row in usable:
         for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
-            if row.states + act * batch <= budget:
+            if row.fixed + act * batch <= budget:
                 return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum)
     # Nothing fits at the configured micro-batch: the largest that fits, same global batch.
     for row in usable:
-        room = budget - row.states
+        room = budget - row.fixed
         if room >= per_sample_ckpt > 0:
             micro = min(batch, room // per_sample_ckpt)
             accum = cfg.train.grad_accum * -(-batch // micro)
@@ -194,20 +215,20 @@ def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
     lines = [
         head,
         f"{'strategy':<15}{'params':>10}{'grads':>10}{'optim':>10}{'states':>10}"
-        f"{'activ.':>10}{'act+ckpt':>10}{'total':>10}  fits",
+        f"{'buffers':>10}{'activ.':>10}{'act+ckpt':>10}{'total':>10}  fits",
     ]
     for r in plan.rows:
-        total = r.states + r.activations
+        total = r.fixed + r.activations
         fits = (
             "yes"
             if total <= plan.budget
-            else ("with ckpt" if r.states + r.activations_ckpt <= plan.budget else "no")
+            else ("with ckpt" if r.fixed + r.activations_ckpt <= plan.budget else "no")
         )
         if r.refused:
             fits += " (refused, below)"
         lines.append(
             f"{r.label:<15}{mib(r.params)}{mib(r.grads)}{mib(r.optimizer)}"
-            f"{mib(r.states)}{mib(r.activations)}{mib(r.activations_ckpt)}"
+            f"{mib(r.states)}{mib(r.buffers)}{mib(r.activations)}{mib(r.activations_ckpt)}"
             f"{mib(total)}  {fits}"
         )
     lines += [f"{r.label} refused: {problem}" for r in plan.rows for problem in r.refused]

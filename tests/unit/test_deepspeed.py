@@ -316,15 +316,13 @@ def test_consolidated_state_dict_reproduces_the_trained_model(
 def test_model_state_bytes_follow_zero(thin_runs: tuple) -> None:
     """World size 2, fp32, against stage 0 (no ZeRO: P params, G grads, O Adam moments).
 
-    Stage 1 shards the optimizer state: O/2, plus the fp32 master partition DeepSpeed
-    keeps from stage 1 on (P/2; ZeRO counts it as optimizer state). Stage 2 also shards
-    gradients (G/2), stage 3 also parameters (P/2).
+    Stage 1 shards the optimizer state: O/2. The weights are fp32, so they are ZeRO's
+    fp32 master partition themselves (raylift shares it; DeepSpeed alone would keep a
+    copy, P/2 more). Stage 2 also shards gradients (G/2), stage 3 also parameters (P/2).
     """
     got = {name: r["bytes"] for name, r in thin_runs[1].items()}
-    for name, held in got.items():
-        print(name, held)
     p, g, o = (got["zero0"][k] for k in ("params", "grads", "optimizer"))
-    sharded_optimizer = (o + p) / 2
+    sharded_optimizer = o / 2
     expected = {
         "zero1": {"params": p, "grads": g, "optimizer": sharded_optimizer},
         "zero2": {"params": p, "grads": g / 2, "optimizer": sharded_optimizer},

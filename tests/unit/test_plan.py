@@ -25,15 +25,17 @@ def test_zero_accounting_at_world_size_4() -> None:
     cfg = load_config(GPT, ["precision=32"])
     n = 1000
     assert model_states("ddp", n, cfg, 4) == (4000, 4000, 8000)
-    # DeepSpeed's ZeRO also keeps an fp32 master copy of the partition (4 bytes a param).
-    assert model_states("zero1", n, cfg, 4) == (4000, 4000, 3000)
-    assert model_states("zero2", n, cfg, 4) == (4000, 1000, 3000)
-    assert model_states("zero3", n, cfg, 4) == (1000, 1000, 3000)
+    # fp32 weights are ZeRO's master partition themselves (no second copy).
+    assert model_states("zero1", n, cfg, 4) == (4000, 4000, 2000)
+    assert model_states("zero2", n, cfg, 4) == (4000, 1000, 2000)
+    assert model_states("zero3", n, cfg, 4) == (1000, 1000, 2000)
     assert model_states("fsdp", n, cfg, 4) == (1000, 1000, 2000)
     assert model_states("fairscale", n, cfg, 4) == (4000, 4000, 2000)
     assert model_states("zero3-offload", n, cfg, 4) == (0, 1000, 0)
     bf16 = load_config(GPT, ["precision=bf16-true", "optim.name=sgd", "optim.momentum=0"])
     assert model_states("ddp", n, bf16, 4) == (2000, 2000, 0)
+    # bf16 weights: ZeRO keeps an fp32 master of the partition (4 bytes a param).
+    assert model_states("zero1", n, bf16, 4) == (2000, 2000, 1000)
 
 
 def test_activation_checkpointing_saves_less() -> None:

@@ -142,6 +142,43 @@ def zero_config(cfg: Config) -> dict[str, Any]:
     return zero
 
 
+# DeepSpeed's own defaults, in elements: sized for models of billions of parameters.
+BUCKET_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "allgather_bucket_size": 500_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+}
+
+
+def sized_buckets(model: nn.Module, blocks: list[nn.Module], stage: int) -> dict[str, int]:
+    """ZeRO's buffers sized to the model's largest repeated block, DeepSpeed's defaults
+    at most.
+
+    With the defaults, ZeRO-3 keeps every parameter it will reuse within 1e9 elements
+    gathered: on any model below that size each rank ends up holding the whole model
+    between forward and backward (measured on a 101M-parameter gpt: 1,794 MiB per rank
+    where the plan counts 612). A block's worth lets one block be in use while the
+    next is prefetched, as FSDP does.
+    """
+
+    def numel(m: nn.Module) -> int:
+        return sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters())
+
+    block = max((numel(b) for b in blocks), default=numel(model))
+    sizes = {
+        "reduce_bucket_size": block,
+        "allgather_bucket_size": block,
+        "stage3_prefetch_bucket_size": block,
+        "stage3_max_live_parameters": 2 * block,
+        "stage3_max_reuse_distance": block,
+    }
+    if stage != 3:
+        sizes = {k: v for k, v in sizes.items() if not k.startswith("stage3")}
+    return {k: max(1, min(v, BUCKET_DEFAULTS[k])) for k, v in sizes.items()}
+
+
 def ds_config(cfg: Config, precision: Precision) -> dict[str, Any]:
     """DeepSpeed's config from raylift's; keys under ``strategy.config`` are merged last and win."""
     base: dict[str, Any] = {
@@ -173,6 +210,8 @@ def build_deepspeed(
     deepspeed = import_deepspeed(device.type)
     use_the_run_process_group()
     init(write_zero3 if cfg.strategy.zero_stage == 3 else write_in_place)
+    buckets = {"zero_optimization": sized_buckets(model, blocks, cfg.strategy.zero_stage)}
+    config = merge(merge(config, buckets), cfg.strategy.config)  # the user's keys still win
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
@@ -190,7 +229,49 @@ def build_deepspeed(
         config=config,
         dist_init_required=False,  # the run's gloo/nccl group is already up
     )
+    if not (cfg.strategy.offload or cfg.strategy.offload_optimizer):
+        share_fp32_master(ds_engine.optimizer)
     return DeepSpeedEngine(ds_engine, optimizer, precision, cfg.train.grad_clip)
+
+
+def share_fp32_master(optimizer: Any) -> None:
+    """One copy of the weights where the model trains in fp32.
+
+    ZeRO keeps an fp32 master of each rank's partition for the optimizer to update.
+    When the weights already are fp32 that is a second copy of the partition: ZeRO-1/2
+    always clone it, and ZeRO-3 means not to but compares a ``torch.device`` with a
+    string, which is never equal. Pointing the master at the partition's own storage
+    keeps every value and saves 4 bytes per parameter held (ZeRO-3, fp32 Adam, 2
+    ranks: 10 -> 8 bytes per parameter, the ZeRO paper's 0.5 of DDP). DeepSpeed's
+    copy from master to weights after each step then copies a buffer onto itself.
+    """
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if hasattr(optimizer, "single_partition_of_fp32_groups"):  # ZeRO-1/2
+        for i, master in enumerate(optimizer.single_partition_of_fp32_groups):
+            rank = dist.get_rank(group=optimizer.real_dp_process_group[i])
+            pairs.append((master, optimizer.parallel_partitioned_bit16_groups[i][rank]))
+    elif hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        pairs = list(
+            zip(
+                optimizer.fp32_partitioned_groups_flat,
+                optimizer.fp16_partitioned_groups_flat,
+                strict=True,
+            )
+        )
+    shared = False
+    for master, own in pairs:
+        if (
+            master.dtype == own.dtype
+            and master.device == own.device
+            and master.shape == own.shape
+            and master.untyped_storage().data_ptr() != own.untyped_storage().data_ptr()
+        ):
+            master.data = own.data  # the optimizer's state stays keyed by the same tensor
+            shared = True
+    if shared and hasattr(optimizer, "_link_all_hp_params"):
+        # ZeRO-1/2 keep views of the master per parameter (universal checkpoints read
+        # and write through them): make them again, over the shared storage.
+        optimizer._link_all_hp_params()
 
 
 def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
@@ -479,8 +560,19 @@ def _zero_row(
     strategy: dict[str, Any] = {"name": NAME, "zero_stage": stage}
     if offload:
         strategy.update(offload_optimizer=True, offload_param=True)
+    # ZeRO-3 with sized_buckets: two blocks live (stage3_max_live_parameters), one
+    # prefetched and a reduce bucket of one block.
+    buffers = 4 if stage == 3 else 0
     # ZeRO keeps an fp32 master copy of each rank's partition, counted as optimizer state.
-    return PlanRow(label, strategy, shards, comm_rank, fp32_master=True, offload=offload)
+    return PlanRow(
+        label,
+        strategy,
+        shards,
+        comm_rank,
+        fp32_master=True,
+        offload=offload,
+        block_buffers=buffers,
+    )
 
 
 SPEC = StrategySpec(

@@ -132,5 +132,9 @@ SPEC = StrategySpec(
     build=build_fsdp,
     read_export=read_dcp_model,
     create=lambda cfg, precision, device: params_on_meta(),
-    plan_rows=(PlanRow("fsdp", {"name": "fsdp"}, Shards(True, True, True), comm_rank=4),),
+    # Unsharded: the block running and the next one (prefetched), and one block's
+    # gradients before their reduce-scatter.
+    plan_rows=(
+        PlanRow("fsdp", {"name": "fsdp"}, Shards(True, True, True), comm_rank=4, block_buffers=3),
+    ),
 )

@@ -53,6 +53,9 @@ class PlanRow:
     comm_rank: int
     fp32_master: bool = False  # DeepSpeed's ZeRO keeps an fp32 master copy of its partition
     offload: bool = False  # parameters and optimizer state live in host memory
+    # Block-sized buffers beside the states: gathered blocks (the one running and the
+    # one prefetched) and a bucket of one block's gradients for the reduce-scatter.
+    block_buffers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,32 @@
+"""No rank holds more of the model than its share: each worker's peak RSS, measured in
+fresh processes, against what ``raylift plan`` predicts for it (benchmarks/memory.py
+runs the same at 100M parameters)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import config_from_dict
+from tests.memory import ZERO3, full_model_bytes, gpt_config, measure, planned_bytes
+
+STRATEGIES = {
+    "ddp": {"name": "ddp"},
+    "fsdp": {"name": "fsdp"},
+    "zero3": {"name": "deepspeed", "zero_stage": 3, "config": ZERO3},
+}
+
+
+@pytest.mark.slow
+def test_sharded_workers_peak_at_their_planned_share() -> None:
+    # 25M parameters, 101 MiB of fp32 weights; SGD with momentum: DDP holds 3x that.
+    runs = {name: gpt_config(s, d_model=640, n_layer=5) for name, s in STRATEGIES.items()}
+    found = dict(zip(runs, measure(list(runs.values())), strict=True))
+    full = full_model_bytes(config_from_dict(runs["ddp"]))
+    ddp_state = 3 * full
+    peaks = {name: max(r["peak"] - r["base"] for r in ranks) for name, ranks in found.items()}
+    for name in ("fsdp", "zero3"):
+        plan = planned_bytes(config_from_dict(runs[name]))["total"]
+        assert 0.75 * plan <= peaks[name] <= 1.25 * plan, (name, peaks[name], plan)
+        assert peaks[name] < ddp_state, (name, peaks[name], ddp_state)
+    assert peaks["ddp"] >= full, (peaks["ddp"], full)
+    assert peaks["ddp"] > 1.5 * peaks["fsdp"], peaks

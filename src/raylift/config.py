@@ -220,10 +220,21 @@ class TrackingConfig:
 
 
 @dataclasses.dataclass
+class ModelConfig:
+    # Pretrained weights: a .safetensors file, or a folder with model.safetensors or a
+    # sharded Hugging Face checkpoint (model.safetensors.index.json); local paths.
+    weights: str | None = None
+
+    def problems(self) -> list[str]:
+        return [] if self.weights != "" else ["model.weights: a path, or null for none"]
+
+
+@dataclasses.dataclass
 class Config:
     name: str = "raylift-run"
     task: str = "digits"
     task_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)

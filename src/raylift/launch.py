@@ -274,6 +274,10 @@ def prepare_data(
 
     startup = startup or Startup.begin()
     task = build_task(cfg.task, cfg.task_args)
+    if cfg.model.weights:  # headers only, before anything starts
+        from raylift.weights import check_for_config
+
+        check_for_config(cfg)
     manifest = shards_for_run(cfg, task, log, connect=lambda: connect_ray(cfg))
     startup.mark("shards")
     connect_ray(cfg)

@@ -80,6 +80,17 @@ def early_stop_update(
     return state.bad_evals >= cfg.patience
 
 
+def initial_weights(
+    model: torch.nn.Module, task: Task, seed: int, weights: str | None, sharded: bool, write: Any
+) -> None:
+    """The seeded initial-weights pass, then ``model.weights`` over it where given."""
+    initialize(model, task, seed, write, sharded=sharded)
+    if weights:
+        from raylift.weights import load
+
+        load(model, weights, write)
+
+
 def apply_compile(model: torch.nn.Module, task: Task) -> None:
     """Compile each repeated block where the task names them (fast to build), else the model."""
     blocks = blocks_of(task, model)
@@ -138,7 +149,9 @@ class Trainer:
         # The same seeded pass on every rank and strategy: identical initial weights.
         sharded = any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
         self.sharded_init = sharded  # created without the whole model's storage
-        init = functools.partial(initialize, model, self.task, cfg.train.seed, sharded=sharded)
+        init = functools.partial(
+            initial_weights, model, self.task, cfg.train.seed, cfg.model.weights, sharded
+        )
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
         engine.skip_nonfinite = cfg.train.on_nan == "skip"
         return engine, fps

@@ -1,0 +1,180 @@
+"""Pretrained weights (``model.weights``) loaded into a model of any strategy, one tensor
+at a time.
+
+``model.weights`` names a ``.safetensors`` file, or a folder holding one
+(``model.safetensors``) or a sharded Hugging Face checkpoint
+(``model.safetensors.index.json`` and the files it maps). The driver reads only the
+files' headers, before any worker starts, and refuses a missing, extra or
+differently shaped tensor, or a file it cannot read, naming the tensor and the file.
+In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
+broadcasts it; every rank keeps its own shard of it (``raylift.init`` writers), so
+no rank ever holds more than one whole tensor beside its shards, and a node's host
+memory holds the weights once rather than once per worker.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylift.data.sources import SourceError
+from raylift.init import Writer
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class WeightsError(SourceError):
+    """``model.weights`` cannot be loaded into the task's model."""
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> the file holding it, from the index or the files' headers."""
+    from safetensors import safe_open
+
+    root = Path(path)
+    if root.is_dir():
+        if (root / INDEX).is_file():
+            mapping = json.loads((root / INDEX).read_text())["weight_map"]
+            return {name: str(root / file) for name, file in mapping.items()}
+        root = root / SINGLE
+    if not root.is_file():
+        raise WeightsError(
+            f"model.weights: {path} is neither a .safetensors file nor a folder with "
+            f"{SINGLE} or {INDEX}"
+        )
+    try:
+        with safe_open(str(root), framework="pt") as f:
+            return {name: str(root) for name in f.keys()}  # noqa: SIM118 (not iterable)
+    except Exception as exc:  # safetensors raises its own error types for bad headers
+        raise WeightsError(f"model.weights: cannot read {root}: {exc}") from exc
+
+
+def file_shapes(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, file), reading each file's header once."""
+    from safetensors import safe_open
+
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(set(files.values())):
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    out[name] = (tuple(f.get_slice(name).get_shape()), file)
+        except Exception as exc:
+            raise WeightsError(f"model.weights: cannot read {file}: {exc}") from exc
+    missing = [n for n, f in files.items() if n not in out]
+    if missing:
+        raise WeightsError(
+            f"model.weights: tensor {missing[0]} is listed for {files[missing[0]]} "
+            "but that file does not hold it"
+        )
+    return out
+
+
+def expected(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """The model's tensors to load (parameters once each, persistent buffers) and, per
+    name, the other names a tied parameter goes by."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[first[id(p)]].append(name)
+            continue
+        first[id(p)] = name
+        aliases[name] = []
+        shapes[name] = tuple(getattr(p, "ds_shape", p.shape))
+    for name, b in model.state_dict(keep_vars=True).items():
+        if name not in shapes and not any(name in a for a in aliases.values()):
+            shapes[name] = tuple(b.shape)
+    return shapes, aliases
+
+
+def check(model: nn.Module, path: str) -> dict[str, str]:
+    """Every tensor of ``model`` in the files at its shape, and nothing else; the
+    name -> file map to load from. WeightsError names what is wrong."""
+    found = file_shapes(weight_files(path))
+    shapes, aliases = expected(model)
+    known = set(shapes) | {a for names in aliases.values() for a in names}
+    extra = sorted(set(found) - known)
+    if extra:
+        raise WeightsError(
+            f"model.weights: tensor {extra[0]} in {found[extra[0]][1]} is not in the "
+            f"task's model ({len(extra)} such); check that the weights are for this "
+            "model and its task_args"
+        )
+    source: dict[str, str] = {}
+    for name, shape in shapes.items():
+        have = next((n for n in [name, *aliases.get(name, [])] if n in found), None)
+        if have is None:
+            raise WeightsError(
+                f"model.weights: tensor {name} (shape {list(shape)}) is missing from {path}"
+            )
+        got, file = found[have]
+        if got != shape:
+            raise WeightsError(
+                f"model.weights: tensor {have} in {file} has shape {list(got)}, the model's "
+                f"is {list(shape)}; check task_args against the weights' config"
+            )
+        source[name] = have
+    return {name: f"{found[have][1]}::{have}" for name, have in source.items()}
+
+
+def check_for_config(cfg: Any) -> None:
+    """The driver's check, on the model built without storage (no memory, any size)."""
+    from raylift.tasks import build_task
+
+    task = build_task(cfg.task, cfg.task_args)
+    with torch.device("meta"):
+        model = task.build_model()
+    check(model, cfg.model.weights)
+
+
+def load(model: nn.Module, path: str, write: Writer) -> None:
+    """Collective: rank 0 reads each tensor, every rank writes its share of it."""
+    import contextlib
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    shared: list[Any] = [check(model, path) if rank == 0 else {}]
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    plan: dict[str, str] = shared[0]
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}
+        for name, where in plan.items():
+            file, key = where.split("::", 1)
+            value = None
+            if rank == 0:
+                if file not in opened:
+                    opened[file] = stack.enter_context(safe_open(file, framework="pt"))
+                value = opened[file].get_tensor(key)
+            target = params[name] if name in params else buffers[name]
+            value = _broadcast(value, tuple(getattr(target, "ds_shape", target.shape)))
+            if name in params:
+                write(params[name], value)
+            else:
+                with torch.no_grad():
+                    buffers[name].copy_(value)
+
+
+def _broadcast(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank 0's tensor on every rank (fp32 on the host, whatever the backend)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert value is not None
+        return value
+    buf = value.float().contiguous() if value is not None else torch.empty(shape)
+    if dist.get_backend() == "nccl":  # NCCL moves device tensors only
+        buf = buf.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.broadcast(buf, src=0)
+    return buf.cpu()

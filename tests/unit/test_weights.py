@@ -1,0 +1,142 @@
+"""model.weights: safetensors checked by the driver from headers, loaded by rank 0 one
+tensor at a time into every strategy's shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from raylift.config import merge
+from raylift.tasks import build_task
+from raylift.weights import WeightsError, check, load
+from tests.helpers import GPT_SMALL, make_config, run_ranks
+from tests.unit.test_init import STRATEGIES, initial_params
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pretrained(tmp: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A gpt's weights as safetensors (tied head saved once), values unlike any init."""
+    from safetensors.torch import save_model
+
+    model = build_task("gpt", GPT_SMALL["task_args"]).build_model()
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    path = tmp / "model.safetensors"
+    save_model(model, str(path))
+    return path, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def shell() -> torch.nn.Module:
+    with torch.device("meta"):
+        return build_task("gpt", GPT_SMALL["task_args"]).build_model()
+
+
+def rewrite(src: Path, dst: Path, edit: dict[str, torch.Tensor | None]) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src))
+    for k, v in edit.items():
+        if v is None:
+            tensors.pop(k)
+        else:
+            tensors[k] = v
+    save_file(tensors, str(dst))
+    return dst
+
+
+def test_bad_weights_name_the_tensor_and_the_file(tmp_path: Path) -> None:
+    good, _ = pretrained(tmp_path)
+    check(shell(), str(good))  # the tied head saved once is fine
+    cases = {
+        "missing": ({"blocks.0.qkv.weight": None}, r"blocks\.0\.qkv\.weight .*missing from"),
+        "extra": ({"lm_extra.weight": torch.zeros(2)}, r"lm_extra\.weight in .*extra\.safetensors"),
+        "shape": (
+            {"ln_f.weight": torch.zeros(3)},
+            r"ln_f\.weight in .*shape\.safetensors has shape \[3\]",
+        ),
+    }
+    for name, (edit, message) in cases.items():
+        bad = rewrite(good, tmp_path / f"{name}.safetensors", edit)
+        with pytest.raises(WeightsError, match=message):
+            check(shell(), str(bad))
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(WeightsError, match=r"cannot read .*cut\.safetensors"):
+        check(shell(), str(cut))
+    with pytest.raises(WeightsError, match=r"neither a \.safetensors file"):
+        check(shell(), str(tmp_path / "nowhere"))
+
+
+def test_a_sharded_folder_with_its_index_loads(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from raylift.init import write_in_place
+
+    good, values = pretrained(tmp_path)
+    tensors = load_file(str(good))
+    names = sorted(tensors)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    halves = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for file, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / file))
+    weight_map = {k: file for file, keys in halves.items() for k in keys}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = build_task("gpt", GPT_SMALL["task_args"]).build_model()
+    load(model, str(folder), write_in_place)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, values[k], rtol=0, atol=0, msg=k)
+    assert model.head.weight is model.tok.weight
+
+
+def test_every_strategy_starts_from_the_weights(tmp_path: Path) -> None:
+    path, values = pretrained(tmp_path)
+    runs = {
+        name: make_config(
+            **merge(GPT_SMALL, {"strategy": s, "model": {"weights": str(path)}})
+        ).to_dict()
+        for name, s in STRATEGIES.items()
+    }
+    run_ranks(2, tmp_path, initial_params, runs, str(tmp_path / "init.pt"))
+    found = torch.load(tmp_path / "init.pt", weights_only=True)
+    for name in STRATEGIES:
+        got = found[name]["params"]
+        for k in values:
+            torch.testing.assert_close(got[k], values[k], rtol=0, atol=0, msg=f"{name} {k}")
+
+
+def test_train_refuses_bad_weights_before_anything_starts(tmp_path: Path) -> None:
+    good, _ = pretrained(tmp_path)
+    bad = rewrite(good, tmp_path / "bad.safetensors", {"ln_f.weight": torch.zeros(3)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "raylift.cli",
+            "train",
+            str(REPO / "configs" / "gpt-tiny.yaml"),
+            "task_args.n_layer=2",
+            "task_args.d_model=64",
+            "task_args.block_size=32",
+            f"model.weights={bad}",
+            f"storage={tmp_path / 'runs'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ln_f.weight" in proc.stderr and "bad.safetensors" in proc.stderr
+    assert "Ray" not in proc.stdout  # refused before Ray or MLflow started

@@ -82,9 +82,10 @@ def _rank(rank: int, world: int, port: int, cfg_dicts: list[dict], out: str) -> 
         Path("/proc/self/clear_refs").write_text("5")  # the high-water mark starts again here
         reporter = LocalReporter(Path(out).parent / f"ck{i}")
         trainer = make_trainer(cfg, rank, world, reporter, data=data)
+        built = _status_kib("VmHWM") * 1024  # the peak while building and wrapping
         trainer.run()
         peak = _status_kib("VmHWM") * 1024
-        found.append({"base": base, "peak": peak, "states": trainer.memory})
+        found.append({"base": base, "built": built, "peak": peak, "states": trainer.memory})
         del trainer
     torch.save(found, f"{out}.{rank}")
     dist.destroy_process_group()

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from raylift import console
 from raylift.config import ConfigError, load_config
@@ -58,7 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp = verbs.add_parser("export", help="consolidated fp32 state_dict from a checkpoint")
     exp.add_argument("path", help="a run folder (storage/name) or a checkpoint-step* folder")
-    exp.add_argument("--out", required=True, help="where to write the state_dict, e.g. model.pt")
+    exp.add_argument("--out", required=True, help="where to write it, e.g. model.safetensors")
+    exp.add_argument(
+        "--format",
+        choices=("pt", "safetensors", "hf"),
+        help="torch.save state_dict, safetensors (what model.weights reads), or hf (a "
+        "from_pretrained folder; needs --config); default: from the --out suffix",
+    )
+    exp.add_argument("--config", help="--format hf: the run's config (and overrides after it)")
+    exp.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     ver = verbs.add_parser("verify", help="check a run's checkpoints (sizes, checksums) offline")
     ver.add_argument("run", help="a run folder: storage/name, e.g. runs/digits-ddp")
     return parser
@@ -71,12 +80,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     from raylift.export import export
 
     try:
-        ckpt, n = export(Path(args.path), Path(args.out))
+        if args.format == "hf":
+            ckpt, n = _export_hf(args)
+        else:
+            ckpt, n = export(Path(args.path), Path(args.out), args.format)
     except CheckpointError as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
     return EXIT_OK
+
+
+def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
+    from pathlib import Path
+
+    from raylift.checkpoint import CheckpointError
+    from raylift.export import export_hf
+    from raylift.tasks import build_task
+
+    if not args.config:
+        raise CheckpointError("--format hf: pass the run's config with --config CONFIG")
+    cfg = load_config(args.config, args.overrides)
+    return export_hf(Path(args.path), Path(args.out), build_task(cfg.task, cfg.task_args))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -1,6 +1,11 @@
 """``raylift export``: a consolidated fp32 ``state_dict`` from a checkpoint of any strategy.
 
-The result loads into the task's plain model with ``model.load_state_dict(...)``.
+``--format pt`` (``torch.save``) loads into the task's plain model with
+``model.load_state_dict(...)``; ``--format safetensors`` is what ``model.weights``
+reads, to start another run (a fine-tune, say) from this one's weights; ``--format
+hf`` (``hf-causal-lm`` runs) writes a folder ``AutoModelForCausalLM.from_pretrained``
+loads: the run's ``config.json``, safetensors sharded above ``HF_SHARD``, the
+tokenizer where the run had one.
 """
 
 from __future__ import annotations
@@ -36,10 +41,60 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-def export(path: Path, out: Path) -> tuple[Path, int]:
-    """Write the consolidated fp32 state_dict to ``out``; returns (checkpoint used, tensors)."""
+FORMATS = ("pt", "safetensors", "hf")
+HF_SHARD = "5GB"  # Hugging Face's own default shard size
+
+
+def export(path: Path, out: Path, fmt: str | None = None) -> tuple[Path, int]:
+    """Write the consolidated fp32 state_dict to ``out`` as ``fmt`` (by default from the
+    file's suffix); returns (checkpoint used, tensors written)."""
+    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
+    if fmt not in FORMATS or fmt == "hf":
+        raise CheckpointError(f"--format: {fmt!r} here is one of pt, safetensors (hf: export_hf)")
     ckpt = latest_checkpoint(path)
     state = consolidated_state_dict(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out)
-    return ckpt, len(state)
+    if fmt == "pt":
+        torch.save(state, out)
+        return ckpt, len(state)
+    from safetensors.torch import save_file
+
+    unique = once_each(state)
+    save_file({k: v.contiguous() for k, v in unique.items()}, str(out), metadata={"format": "pt"})
+    return ckpt, len(unique)
+
+
+def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tied tensors (one storage under two names) once, under the first name: safetensors
+    refuses shared storage, and ``model.weights`` fills the other names from it."""
+    seen: set[tuple[int, int]] = set()
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor
+    return out
+
+
+def export_hf(path: Path, out: Path, task: object) -> tuple[Path, int]:
+    """A ``save_pretrained`` folder of an ``hf-causal-lm`` run's weights."""
+    from huggingface_hub import save_torch_state_dict
+
+    hf_config = getattr(task, "hf_config", None)
+    if hf_config is None:
+        raise CheckpointError(
+            "--format hf: the run's task is not a Hugging Face model (task: hf-causal-lm); "
+            "use --format safetensors or pt"
+        )
+    ckpt = latest_checkpoint(path)
+    state = consolidated_state_dict(ckpt)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config().save_pretrained(out)
+    tokenizer = getattr(task, "tokenizer", None)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    unique = once_each(state)  # tied weights once, as from_pretrained expects
+    save_torch_state_dict(unique, out, max_shard_size=HF_SHARD, metadata={"format": "pt"})
+    return ckpt, len(unique)

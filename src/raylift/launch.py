@@ -274,10 +274,9 @@ def prepare_data(
 
     startup = startup or Startup.begin()
     task = build_task(cfg.task, cfg.task_args)
-    if cfg.model.weights:  # headers only, before anything starts
-        from raylift.weights import check_for_config
+    from raylift.weights import check_for_config
 
-        check_for_config(cfg)
+    check_for_config(cfg, task)  # headers only, before anything starts
     manifest = shards_for_run(cfg, task, log, connect=lambda: connect_ray(cfg))
     startup.mark("shards")
     connect_ray(cfg)

@@ -31,6 +31,7 @@ from raylift.precision import resolve_precision
 from raylift.progress import Interval, IntervalMeter, Rates, console_line
 from raylift.strategies import Engine, spec_for
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
+from raylift.weights import weights_path
 
 __all__ = [
     "LoopState",
@@ -149,8 +150,9 @@ class Trainer:
         # The same seeded pass on every rank and strategy: identical initial weights.
         sharded = any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
         self.sharded_init = sharded  # created without the whole model's storage
+        weights = weights_path(cfg, self.task)
         init = functools.partial(
-            initial_weights, model, self.task, cfg.train.seed, cfg.model.weights, sharded
+            initial_weights, model, self.task, cfg.train.seed, weights, sharded
         )
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
         engine.skip_nonfinite = cfg.train.on_nan == "skip"

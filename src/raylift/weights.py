@@ -124,14 +124,19 @@ def check(model: nn.Module, path: str) -> dict[str, str]:
     return {name: f"{found[have][1]}::{have}" for name, have in source.items()}
 
 
-def check_for_config(cfg: Any) -> None:
-    """The driver's check, on the model built without storage (no memory, any size)."""
-    from raylift.tasks import build_task
+def weights_path(cfg: Any, task: Any) -> str | None:
+    """``model.weights``, else the task's own pretrained weights (a Hugging Face folder's)."""
+    return cfg.model.weights or getattr(task, "pretrained_weights", None)
 
-    task = build_task(cfg.task, cfg.task_args)
+
+def check_for_config(cfg: Any, task: Any) -> None:
+    """The driver's check, on the model built without storage (no memory, any size)."""
+    path = weights_path(cfg, task)
+    if path is None:
+        return
     with torch.device("meta"):
         model = task.build_model()
-    check(model, cfg.model.weights)
+    check(model, path)
 
 
 def load(model: nn.Module, path: str, write: Writer) -> None:

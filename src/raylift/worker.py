@@ -118,7 +118,7 @@ def resume(trainer: Any, cfg: Config) -> None:
     """Restore the checkpoint Ray hands back, or the newest complete one on local storage."""
     import ray.train
 
-    from raylift.checkpoint import newest_complete, resume_point
+    from raylift.checkpoint import checkpoint_dirs, newest_complete, resume_point
 
     log = trainer.ctx.log
     checkpoint = ray.train.get_checkpoint()
@@ -130,9 +130,12 @@ def resume(trainer: Any, cfg: Config) -> None:
         return
     # A worker killed right after a checkpoint's report, before Ray's controller
     # registered it, leaves that checkpoint on disk only: resume from it all the same.
-    found = newest_complete(Path(storage.resolve(cfg.storage)) / cfg.name, log)
+    run_dir = Path(storage.resolve(cfg.storage)) / cfg.name
+    found = newest_complete(run_dir, log)
     if found is not None:
         trainer.restore(found)
+    elif checkpoint_dirs(run_dir):
+        log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
 
 
 def _probe(settings: ProbeSettings | None) -> Any:

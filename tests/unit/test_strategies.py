@@ -103,8 +103,19 @@ def test_export_loads_into_the_plain_model(tmp_path: Path) -> None:
     assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
     task = build_task("gpt", GPT_SMALL["task_args"])
     model = task.build_model()
-    model.load_state_dict(torch.load(out, weights_only=True))  # strict: every key matches
+    state = torch.load(out, weights_only=True)
+    model.load_state_dict(state)  # strict: every key matches
     assert main(["export", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    # safetensors: what model.weights reads, for a run that starts from this one
+    from raylift.init import write_in_place
+    from raylift.weights import load
+
+    st = tmp_path / "model.safetensors"
+    assert main(["export", str(tmp_path / "run"), "--out", str(st)]) == 0
+    fresh = task.build_model()
+    load(fresh, str(st), write_in_place)
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale"])

@@ -11,6 +11,7 @@ from raylift.tasks.base import Batch, Columns, Task
 BUILTINS = {
     "digits": "raylift.tasks.digits:DigitsTask",
     "gpt": "raylift.tasks.gpt:GPTTask",
+    "hf-causal-lm": "raylift.tasks.hf:HFCausalLM",
     "images": "raylift.tasks.images:ImagesTask",
 }
 

@@ -1,0 +1,177 @@
+"""A Hugging Face causal language model (``task: hf-causal-lm``; ``pip install 'raylift[hf]'``).
+
+``task_args.model`` is a local folder as ``save_pretrained`` writes it (``config.json``,
+safetensors weights, optionally a tokenizer), or an inline config for training from
+scratch (``{model_type: llama, hidden_size: 256, num_hidden_layers: 4, ...}``, the
+keyword arguments of ``AutoConfig.for_model``). Nothing is downloaded: a name that
+would need the Hub is refused, saying to pass a local folder.
+
+The folder's weights are the run's initial weights (``model.weights``, when set,
+wins). Text comes from the ``gpt`` task's corpus reader (``corpus``, ``text_field``,
+``max_bytes``, ``val_percent``), tokenised with the folder's tokenizer, or as bytes
+(token = byte value) where there is none; documents are packed into
+``block_size + 1``-token windows with an end-of-text token (the tokenizer's, else
+byte 0) between them. The transformer layers are found from the model's own
+``_no_split_modules`` (for FSDP wrapping, activation checkpointing and compile);
+the initial weights are the model's own ``_init_weights``, applied module by module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from raylift.tasks.base import Batch, Columns
+from raylift.tasks.gpt import GPTTask
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValueError(
+            f"task hf-causal-lm needs transformers ({exc}); pip install 'raylift[hf]'"
+        ) from None
+    return transformers
+
+
+class HFCausalLM(GPTTask):
+    """Next-token prediction with any ``AutoModelForCausalLM``."""
+
+    def __init__(
+        self,
+        model: str | dict[str, Any] = "",
+        block_size: int = 128,
+        corpus: str = "stdlib",
+        max_bytes: int | None = 2_000_000,
+        val_percent: int = 5,
+        text_field: str = "text",
+    ):
+        super().__init__(
+            block_size=block_size,
+            corpus=corpus,
+            max_bytes=max_bytes,
+            val_percent=val_percent,
+            text_field=text_field,
+        )
+        tf = _transformers()
+        self.folder: str | None = None
+        self.tokenizer: Any = None
+        if isinstance(model, dict):
+            args = dict(model)
+            if "model_type" not in args:
+                raise ValueError("task_args.model: an inline config needs model_type, e.g. llama")
+            self.config = tf.AutoConfig.for_model(**args)
+        elif model and Path(model).is_dir():
+            self.folder = str(Path(model).resolve())
+            self.config = tf.AutoConfig.from_pretrained(self.folder, local_files_only=True)
+            if any(
+                (Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+            ):
+                self.tokenizer = tf.AutoTokenizer.from_pretrained(
+                    self.folder, local_files_only=True
+                )
+        else:
+            raise ValueError(
+                f"task_args.model: {model!r} is not a local folder; raylift never downloads "
+                "at run time: fetch it once (huggingface-cli download NAME --local-dir DIR) "
+                "and pass DIR, or give an inline config {model_type: ..., ...}"
+            )
+        if self.tokenizer is None and self.config.vocab_size < 256:
+            raise ValueError(
+                f"task_args.model: vocab_size {self.config.vocab_size} < 256; without a "
+                "tokenizer the tokens are bytes"
+            )
+        self._model: Any = None
+
+    @property
+    def pretrained_weights(self) -> str | None:
+        """The folder, where it holds weights: the run's initial weights."""
+        if self.folder and any((Path(self.folder) / f).is_file() for f in WEIGHT_FILES):
+            return self.folder
+        return None
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config.vocab_size)
+
+    def build_model(self) -> nn.Module:
+        tf = _transformers()
+        self._model = tf.AutoModelForCausalLM.from_config(self.config)
+        return self._model
+
+    def init_weights(self, module: nn.Module) -> None:
+        """The model's own initialisation, one module at a time (raylift.init)."""
+        self._model._init_weights(module)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        names = set(getattr(model, "_no_split_modules", None) or ())
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        return found or _repeated(model)
+
+    def hf_config(self) -> Any:
+        return self.config
+
+    # ------------------------------------------------------------ data
+
+    def preprocess(self, batch: Columns) -> Columns:
+        if self.tokenizer is None:
+            return super().preprocess(batch)
+        from raylift.tasks.gpt import _read
+
+        docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]
+        texts = [bytes(d).decode("utf-8", errors="replace") for d in docs]
+        eos = self.tokenizer.eos_token_id
+        ids: list[int] = []
+        for piece in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
+            ids += piece + ([eos] if eos is not None else [])
+        arr = np.asarray(ids, dtype=np.int32)
+        return {"tokens": _windows(arr, self.block_size)}
+
+    # ------------------------------------------------------------ steps
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        tokens = batch["tokens"]
+        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.tokenizer is None:
+            return super().summarize(sums)  # bytes: bits per byte
+        loss = sums["loss_sum"] / max(sums["count"], 1.0)
+        return {"val_loss": loss, "val_ppl": float(np.exp(min(loss, 50.0)))}
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        tokens = batch["tokens"]
+        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        target = tokens[:, 1:]
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, self.vocab), target.reshape(-1), reduction="sum"
+        )
+        return {"loss_sum": loss_sum, "count": torch.tensor(target.numel(), device=target.device)}
+
+
+def _windows(arr: np.ndarray, block: int) -> np.ndarray:
+    """``block + 1``-token windows overlapping by one, so every token is a target once."""
+    n = max((len(arr) - 1) // block, 0)
+    if not n:
+        return np.zeros((0, block + 1), dtype=arr.dtype)
+    idx = np.arange(n)[:, None] * block + np.arange(block + 1)[None, :]
+    return arr[idx]
+
+
+def _repeated(model: nn.Module) -> list[nn.Module]:
+    """The children of the largest ModuleList whose members share one class."""
+    lists: list[list[nn.Module]] = [
+        list(m)
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
+    ]
+    return max(lists, key=len) if lists else []

@@ -1,0 +1,115 @@
+"""The hf-causal-lm task: a Hugging Face Llama from an inline config, trained under every
+sharding strategy, exported as a from_pretrained folder and started from again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from raylift.cli import main
+from raylift.config import merge
+from raylift.export import consolidated_state_dict
+from raylift.tasks import build_task
+from tests.helpers import (
+    GPT_SMALL,
+    make_config,
+    run_ranks,
+    train_and_record,
+    train_keep_checkpoints,
+)
+from tests.unit.test_init import STRATEGIES, initial_params
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+TASK_ARGS = {"model": LLAMA, "block_size": 32, "max_bytes": 300_000}
+
+
+def hf_config(**more: dict) -> dict:
+    base = {k: v for k, v in GPT_SMALL.items() if k != "task_args"}
+    return make_config(
+        **merge(base, {"task": "hf-causal-lm", "task_args": TASK_ARGS, **more})
+    ).to_dict()
+
+
+def test_layers_are_found_and_hub_names_refused() -> None:
+    task = build_task("hf-causal-lm", TASK_ARGS)
+    model = task.build_model()
+    assert [type(b).__name__ for b in task.blocks(model)] == ["LlamaDecoderLayer"] * 2
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"not a local folder.*never downloads"):
+        build_task("hf-causal-lm", {"model": "meta-llama/Llama-2-7b-hf"})
+
+
+def test_every_strategy_starts_equal_and_follows_ddp(tmp_path: Path) -> None:
+    runs = {name: hf_config(strategy=s) for name, s in STRATEGIES.items()}
+    run_ranks(2, tmp_path, initial_params, runs, str(tmp_path / "init.pt"))
+    found = torch.load(tmp_path / "init.pt", weights_only=True)
+    for name in ("fsdp", "zero3"):
+        assert found[name]["meta_or_partitioned"]
+        for k, v in found["ddp"]["params"].items():
+            torch.testing.assert_close(found[name]["params"][k], v, rtol=0, atol=0, msg=k)
+    curves = {}
+    for name, cfg in runs.items():
+        cfg = merge(cfg, {"train": {"max_steps": 12}})
+        out = tmp_path / name / "loss.pt"
+        run_ranks(2, tmp_path, train_and_record, cfg, str(out))
+        curves[name] = torch.load(out, weights_only=True)
+    ref = curves["ddp"]
+    assert ref[12] < ref[1]
+    for name in ("fsdp", "zero3"):
+        for step, loss in ref.items():
+            assert curves[name][step] == pytest.approx(loss, rel=1e-3), (name, step)
+
+
+def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_config(strategy={"name": "fsdp"}, train={"max_steps": 6})
+    run_ranks(2, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "run"))
+    out = tmp_path / "hf"
+    yaml_cfg = tmp_path / "run.yaml"
+    yaml_cfg.write_text(__import__("yaml").safe_dump(cfg))
+    assert (
+        main(
+            [
+                "export",
+                str(tmp_path / "run"),
+                "--format",
+                "hf",
+                "--out",
+                str(out),
+                "--config",
+                str(yaml_cfg),
+            ]
+        )
+        == 0
+    )
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    task = build_task("hf-causal-lm", TASK_ARGS)
+    ours = task.build_model().eval()
+    ours.load_state_dict(consolidated_state_dict(tmp_path / "run"), strict=False)
+    batch = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=batch).logits, ours(input_ids=batch).logits, rtol=1e-5, atol=1e-5
+        )
+    # A second run from the export starts exactly where the first ended.
+    second = {"ddp": merge(hf_config(), {"task_args": {"model": str(out)}})}
+    run_ranks(2, tmp_path, initial_params, second, str(tmp_path / "second.pt"))
+    start = torch.load(tmp_path / "second.pt", weights_only=True)["ddp"]["params"]
+    for k, v in ours.state_dict().items():
+        torch.testing.assert_close(start[k], v.float(), rtol=0, atol=0, msg=k)

@@ -113,3 +113,32 @@ def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
     start = torch.load(tmp_path / "second.pt", weights_only=True)["ddp"]["params"]
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(start[k], v.float(), rtol=0, atol=0, msg=k)
+
+
+def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
+    """A local folder (config + tokenizer, no weights): text is tokenised, not bytes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    text = [Path(__file__).read_text(), Path(__file__).with_name("test_init.py").read_text()]
+    bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
+    bpe.train_from_iterator(
+        text, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"])
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="[UNK]")
+    folder = tmp_path / "llama"
+    tokenizer.save_pretrained(folder)
+    AutoConfig.for_model(**{**LLAMA, "vocab_size": len(tokenizer)}).save_pretrained(folder)
+
+    task = build_task("hf-causal-lm", {"model": str(folder), "block_size": 16})
+    assert task.tokenizer is not None and task.pretrained_weights is None
+    rows = task.preprocess({"doc": [t.encode() for t in text]})["tokens"]
+    assert rows.shape[1] == 17 and len(rows) > 10
+    assert rows.max() < len(tokenizer) and (rows == tokenizer.eos_token_id).any()
+    ids = tokenizer(text[0], add_special_tokens=False)["input_ids"]
+    assert rows[0].tolist() == ids[:17]  # the text's own tokens, in order
+    model = task.build_model()
+    loss = task.loss(model, task.finish({"tokens": torch.from_numpy(rows[:4])}, torch.float32))
+    assert torch.isfinite(loss) and float(loss.detach()) > 0
+    assert set(task.summarize({"loss_sum": 8.0, "count": 4.0})) == {"val_loss", "val_ppl"}

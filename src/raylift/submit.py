@@ -42,7 +42,12 @@ def pip_packages(cfg: Config) -> list[str]:
     packages = list(spec.extras) if spec else []
     if (cfg.tune or {}).get("search") == "optuna":
         packages.append("optuna>=3")
+    packages += TASK_EXTRAS.get(cfg.task, [])
     return packages
+
+
+# Built-in tasks whose packages are an optional extra of raylift's (pip install raylift[hf]).
+TASK_EXTRAS = {"hf-causal-lm": ["transformers>=4.45"]}
 
 
 def runtime_env(cfg: Config, working_dir: Path) -> dict[str, Any]:

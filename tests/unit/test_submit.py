@@ -32,6 +32,10 @@ def test_runtime_env_ships_the_folder_and_the_extras_the_config_needs(tmp_path: 
     assert env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
     ds = runtime_env(load_config(QUICKSTART, ["strategy.name=deepspeed"]), tmp_path)
     assert ds["pip"] == ["deepspeed>=0.19"]
+    from raylift.config import Config
+    from raylift.submit import pip_packages
+
+    assert pip_packages(Config(task="hf-causal-lm")) == ["transformers>=4.45"]  # raylift[hf]
 
 
 def test_no_secret_travels_in_the_runtime_env(

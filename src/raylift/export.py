@@ -41,7 +41,7 @@ def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-FORMATS = ("pt", "safetensors", "hf")
+FORMATS = ("pt", "safetensors")  # hf: export_hf, which needs the run's task
 HF_SHARD = "5GB"  # Hugging Face's own default shard size
 
 
@@ -49,8 +49,8 @@ def export(path: Path, out: Path, fmt: str | None = None) -> tuple[Path, int]:
     """Write the consolidated fp32 state_dict to ``out`` as ``fmt`` (by default from the
     file's suffix); returns (checkpoint used, tensors written)."""
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
-    if fmt not in FORMATS or fmt == "hf":
-        raise CheckpointError(f"--format: {fmt!r} here is one of pt, safetensors (hf: export_hf)")
+    if fmt not in FORMATS:
+        raise CheckpointError(f"--format: {fmt!r} is not one of {FORMATS}")
     ckpt = latest_checkpoint(path)
     state = consolidated_state_dict(ckpt)
     out.parent.mkdir(parents=True, exist_ok=True)

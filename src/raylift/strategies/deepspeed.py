@@ -207,8 +207,7 @@ def build_deepspeed(
     init: Initializer,
 ) -> DeepSpeedEngine:
     config = ds_config(cfg, precision)  # its problems before the slow import
-    deepspeed = import_deepspeed(device.type)
-    use_the_run_process_group()
+    deepspeed = ready_deepspeed(device)
     init(write_zero3 if cfg.strategy.zero_stage == 3 else write_in_place)
     buckets = {"zero_optimization": sized_buckets(model, blocks, cfg.strategy.zero_stage)}
     config = merge(merge(config, buckets), cfg.strategy.config)  # the user's keys still win
@@ -217,9 +216,6 @@ def build_deepspeed(
     # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
     model = model.to(device)
     optimizer = build_optimizer(model, cfg.optim)
-    # DeepSpeed insists on LOCAL_RANK (Ray Train and torchrun set it). In a bare process
-    # group the global rank is the one value that cannot collide with another rank's.
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     # Which device DeepSpeed binds is raylift's choice (Ray may share CUDA_VISIBLE_DEVICES).
     args = argparse.Namespace(device_rank=(device.index or 0) if device.type == "cuda" else 0)
     ds_engine, _, _, _ = deepspeed.initialize(
@@ -280,11 +276,19 @@ def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
     if cfg.strategy.zero_stage != 3:
         return contextlib.nullcontext()
     config = ds_config(cfg, precision)
-    deepspeed = import_deepspeed(device.type)
-    use_the_run_process_group()
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))  # as in build_deepspeed
+    deepspeed = ready_deepspeed(device)
     offload = config["zero_optimization"].get("offload_param", {}).get("device") == "cpu"
     return deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if offload else None)
+
+
+def ready_deepspeed(device: torch.device) -> Any:
+    """``deepspeed`` on the run's accelerator, wrapping the run's process group."""
+    deepspeed = import_deepspeed(device.type)
+    use_the_run_process_group()
+    # DeepSpeed insists on LOCAL_RANK (Ray Train and torchrun set it). In a bare process
+    # group the global rank is the one value that cannot collide with another rank's.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    return deepspeed
 
 
 def use_the_run_process_group() -> None:

@@ -151,6 +151,19 @@ def _with_field(ds: Any, field: str, example: str) -> Any:
     return ds
 
 
+def documents(batch: Columns) -> list[bytes]:
+    """A prep batch's documents: the ``doc`` column of rows, or the text files named."""
+    return [bytes(d) for d in batch["doc"]] if "doc" in batch else [_read(p) for p in batch["path"]]
+
+
+def windows(tokens: np.ndarray, block: int) -> np.ndarray:
+    """``block + 1``-token windows overlapping by one, so every token is a target once."""
+    n = max((len(tokens) - 1) // block, 0)
+    if not n:
+        return np.zeros((0, block + 1), dtype=tokens.dtype)
+    return tokens[np.arange(n)[:, None] * block + np.arange(block + 1)[None, :]]
+
+
 def _keep_split(batch: Any, val: bool, percent: int) -> Any:
     """The documents of one split: val where a hash of the text's start is < ``percent``."""
     import pyarrow as pa
@@ -297,14 +310,8 @@ class GPTTask:
         return in_val(key, self.val_percent)
 
     def preprocess(self, batch: Columns) -> Columns:
-        docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]
-        data = SEP.join(bytes(d) for d in docs)
-        arr = np.frombuffer(data, dtype=np.uint8)
-        width = self.block_size + 1
-        n = max((len(arr) - 1) // self.block_size, 0)
-        # Windows overlap by one byte, so every byte is a target exactly once.
-        idx = np.arange(n)[:, None] * self.block_size + np.arange(width)[None, :]
-        return {"tokens": arr[idx] if n else np.zeros((0, width), dtype=np.uint8)}
+        data = SEP.join(documents(batch))
+        return {"tokens": windows(np.frombuffer(data, dtype=np.uint8), self.block_size)}
 
     def finish(self, batch: Batch, dtype: torch.dtype) -> Batch:
         return {"tokens": batch["tokens"].long()}

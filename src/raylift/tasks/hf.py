@@ -27,9 +27,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from raylift.tasks.base import Batch, Columns
-from raylift.tasks.gpt import GPTTask
-
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+from raylift.tasks.gpt import GPTTask, documents, windows
+from raylift.weights import INDEX, SINGLE
 
 
 def _transformers() -> Any:
@@ -94,7 +93,7 @@ class HFCausalLM(GPTTask):
     @property
     def pretrained_weights(self) -> str | None:
         """The folder, where it holds weights: the run's initial weights."""
-        if self.folder and any((Path(self.folder) / f).is_file() for f in WEIGHT_FILES):
+        if self.folder and any((Path(self.folder) / f).is_file() for f in (SINGLE, INDEX)):
             return self.folder
         return None
 
@@ -124,16 +123,13 @@ class HFCausalLM(GPTTask):
     def preprocess(self, batch: Columns) -> Columns:
         if self.tokenizer is None:
             return super().preprocess(batch)
-        from raylift.tasks.gpt import _read
-
-        docs = batch["doc"] if "doc" in batch else [_read(p) for p in batch["path"]]
-        texts = [bytes(d).decode("utf-8", errors="replace") for d in docs]
+        texts = [d.decode("utf-8", errors="replace") for d in documents(batch)]
         eos = self.tokenizer.eos_token_id
         ids: list[int] = []
         for piece in self.tokenizer(texts, add_special_tokens=False)["input_ids"]:
             ids += piece + ([eos] if eos is not None else [])
         arr = np.asarray(ids, dtype=np.int32)
-        return {"tokens": _windows(arr, self.block_size)}
+        return {"tokens": windows(arr, self.block_size)}
 
     # ------------------------------------------------------------ steps
 
@@ -156,15 +152,6 @@ class HFCausalLM(GPTTask):
             logits.reshape(-1, self.vocab), target.reshape(-1), reduction="sum"
         )
         return {"loss_sum": loss_sum, "count": torch.tensor(target.numel(), device=target.device)}
-
-
-def _windows(arr: np.ndarray, block: int) -> np.ndarray:
-    """``block + 1``-token windows overlapping by one, so every token is a target once."""
-    n = max((len(arr) - 1) // block, 0)
-    if not n:
-        return np.zeros((0, block + 1), dtype=arr.dtype)
-    idx = np.arange(n)[:, None] * block + np.arange(block + 1)[None, :]
-    return arr[idx]
 
 
 def _repeated(model: nn.Module) -> list[nn.Module]:

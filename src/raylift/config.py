@@ -59,6 +59,8 @@ class ScalingConfig:
     use_gpu: bool = False
     cpus_per_worker: float = 1.0
     resize_interval_s: float = 60.0  # elastic runs: how often to look for room to grow
+    # Give up when the workers cannot be placed for this long, rather than wait forever.
+    placement_timeout_s: float = 300.0
 
     @property
     def min_workers(self) -> int:
@@ -88,6 +90,8 @@ class ScalingConfig:
             out.append("scaling.cpus_per_worker: must be > 0 (fractions such as 0.5 are fine)")
         if self.resize_interval_s < 0:
             out.append("scaling.resize_interval_s: must be >= 0 seconds")
+        if self.placement_timeout_s <= 0:
+            out.append("scaling.placement_timeout_s: must be > 0 seconds")
         return out
 
 

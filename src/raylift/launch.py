@@ -158,6 +158,24 @@ def run_exists(where: str, name: str) -> bool:
     return any((Path(where) / name).glob("checkpoint-step*"))
 
 
+START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+
+
+def worker_resources(cfg: Config) -> dict[str, float]:
+    resources: dict[str, float] = {"CPU": cfg.scaling.cpus_per_worker}
+    if cfg.scaling.use_gpu:
+        resources["GPU"] = 1
+    return resources
+
+
+def placement_bounds(timeout_s: float) -> tuple[float, int]:
+    """Ray Train's wait for one placement attempt, and how many more attempts fit in
+    ``timeout_s``. Attempts of at most a minute: an elastic run retries at the size the
+    cluster has room for by then (and an autoscaler may have added nodes)."""
+    attempt = min(60.0, timeout_s)
+    return attempt, max(0, math.ceil(timeout_s / attempt) - 1)
+
+
 def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()) -> Any:
     from ray.train import (
         CheckpointConfig,
@@ -169,9 +187,10 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
     from ray.train.torch import TorchConfig, TorchTrainer
 
     sc = cfg.scaling
-    resources: dict[str, float] = {"CPU": sc.cpus_per_worker}
-    if sc.use_gpu:
-        resources["GPU"] = 1
+    resources = worker_resources(cfg)
+    start_timeout, retries = placement_bounds(sc.placement_timeout_s)
+    # Ray Train propagates this variable from the driver's environment to its controller.
+    os.environ[START_TIMEOUT_VAR] = str(start_timeout)
     workers: int | tuple[int, int] = (
         (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
     )
@@ -190,7 +209,11 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
             name=cfg.name,
             storage_path=where,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
-            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            # A worker group that cannot be placed is a "controller failure", which Ray
+            # Train retries forever by default: bounded here by placement_timeout_s.
+            failure_config=FailureConfig(  # type: ignore[call-arg]
+                max_failures=cfg.train.max_failures, controller_failure_limit=retries
+            ),
             worker_runtime_env={"env_vars": dict(WORKER_ENV)},
             logging_config=LoggingConfig(log_level="WARNING"),
             callbacks=list(callbacks),
@@ -297,6 +320,8 @@ def fit(trainer: Any, spec: RunSpec) -> Any:
         status = "KILLED"
         raise
     except Exception as exc:
+        if _caused_by(exc, "WorkerGroupStartupTimeoutError"):
+            raise RunFailed(placement_message(spec.config)) from exc
         raise RunFailed(_failure_message(exc, spec.config)) from exc
     finally:
         if status != "FINISHED":
@@ -398,6 +423,51 @@ def _nonfinite_message(cfg: Config, metrics: dict[str, float], ckpt: str | None)
         f"{ckpt or 'none'}. Lower optim.lr, set train.grad_clip, use precision bf16-mixed "
         "instead of 16-mixed, or set train.on_nan=skip to step over bad batches"
     )
+
+
+def _caused_by(exc: BaseException, name: str) -> bool:
+    """Whether an exception named ``name`` is in ``exc``'s chain, or is the controller
+    failure Ray Train's ``ControllerError`` wraps."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        inner = getattr(seen, "controller_failure", None)
+        if name in (type(seen).__name__, type(inner).__name__):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def placement_message(cfg: Config) -> str:
+    """What the run waited for, what the cluster has, and what holds the rest."""
+    import ray
+
+    want = worker_resources(cfg)
+    n = cfg.scaling.min_workers
+    total, free = ray.cluster_resources(), ray.available_resources()
+    needed = ", ".join(f"{k} {v * n:g}" for k, v in want.items())
+    has = ", ".join(f"{k} {total.get(k, 0):g} ({free.get(k, 0):g} free)" for k in want)
+    held = [
+        f"    placement group {pg.get('name') or pid[:8]}: "
+        + ", ".join(f"{k} {v:g}" for k, v in _bundle_sum(pg).items() if k in want)
+        for pid, pg in ray.util.placement_group_table().items()
+        if pg.get("state") == "CREATED"
+    ]
+    return (
+        f"training run {cfg.name!r} failed: its {n} worker(s) of {want} could not be placed "
+        f"within scaling.placement_timeout_s={cfg.scaling.placement_timeout_s:g} s.\n"
+        f"  it needs {needed}; the cluster has {has}.\n"
+        + ("  held by:\n" + "\n".join(held) + "\n" if held else "")
+        + "  lower scaling.num_workers or scaling.cpus_per_worker, stop what holds the "
+        "resources, add nodes, or raise scaling.placement_timeout_s for a slow autoscaler"
+    )
+
+
+def _bundle_sum(pg: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for bundle in pg.get("bundles", {}).values():
+        for k, v in bundle.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def _failure_message(exc: BaseException, cfg: Config) -> str:

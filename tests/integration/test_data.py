@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -101,6 +102,30 @@ def test_train_refuses_a_missing_shard_folder_before_any_worker_starts(
     err = capsys.readouterr().err
     assert "./nowhere" in err and "raylift prep" in err
     assert not (in_tmp / "runs" / "noshards").exists()  # nothing was started or written
+
+
+def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
+    digits_shards: Path, in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """2 workers x 3 CPUs on the session's 4-CPU Ray: Ray Train alone would retry the
+    placement forever; raylift stops after scaling.placement_timeout_s and says why."""
+    started = time.monotonic()
+    code = cli_main(
+        [
+            "train",
+            str(QUICKSTART),
+            "name=toobig",
+            f"data.shards={digits_shards}",
+            "scaling.cpus_per_worker=3",
+            "scaling.placement_timeout_s=5",
+        ]
+    )
+    waited = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "could not be placed" in err and "it needs CPU 6" in err, err
+    assert "the cluster has CPU 4" in err and "placement_timeout_s" in err, err
+    assert waited < 5 + 90, waited  # the bound plus start-up: not an endless retry
 
 
 def test_train_from_prepared_shards_cached_in_the_object_store(

@@ -1,0 +1,131 @@
+"""Two raylift commands on one host, each starting its own local Ray as a user's would
+(no RAY_ADDRESS), beside the session's Ray: a sweep and the quickstart both finish, the
+quickstart's console holds raylift's lines only, and what its Ray listens on is known."""
+
+from __future__ import annotations
+
+import http.client
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
+# What ray 2.60 binds to every interface whatever it is told (the README's Security
+# section names them): its C++ servers, the driver's and workers' core-worker servers,
+# its agents and metrics exporters, and the process group's store in the workers.
+RAY_PROCESSES = ("gcs_server", "raylet", "ray::")
+
+
+def own_ray_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def command(tmp: Path, verb: str, config: str, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "raylift.cli",
+        verb,
+        str(REPO / "configs" / config),
+        f"name={name}",
+        "train.max_epochs=1",
+        f"storage={tmp / name}",  # each its own shards: the two prepare at once
+        f"tracking.uri=sqlite:///{tmp / f'{name}.db'}",
+        *extra,
+    ]
+
+
+def listeners(root: int) -> dict[tuple[str, int], psutil.Process]:
+    """The listening TCP sockets of ``root`` and everything under it."""
+    try:
+        tree = {p.pid: p for p in [psutil.Process(root), *psutil.Process(root).children(True)]}
+    except psutil.NoSuchProcess:
+        return {}
+    out = {}
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.status == psutil.CONN_LISTEN and conn.pid in tree:
+            out[(conn.laddr.ip, conn.laddr.port)] = tree[conn.pid]
+    return out
+
+
+def is_ray_process(proc: psutil.Process, driver: int) -> bool:
+    try:
+        name, cmdline = proc.name(), " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return True  # gone between the two reads: a worker that finished
+    return proc.pid == driver or name.startswith(RAY_PROCESSES) or "/ray/" in cmdline
+
+
+def serves_jobs_api(port: int) -> bool:
+    """Whether the port answers the dashboard's version query, with the token Ray made."""
+    token = (Path.home() / ".ray" / "auth_token").read_text().strip()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/api/version", headers={"Authorization": f"Bearer {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=2) as r:
+            return "ray_version" in json.loads(r.read())
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+
+
+def watch(
+    run: subprocess.Popen[str],
+) -> tuple[dict[tuple[str, int], psutil.Process], list[tuple[str, int]]]:
+    """Every listening socket the run's process tree opened, and which of them served the
+    Jobs API (probed while the run's Ray is up)."""
+    seen: dict[tuple[str, int], psutil.Process] = {}
+    jobs: list[tuple[str, int]] = []
+    while run.poll() is None:
+        now = listeners(run.pid)
+        jobs += [addr for addr in now.keys() - seen.keys() if serves_jobs_api(addr[1])]
+        seen.update(now)
+        time.sleep(1.0)
+    return seen, jobs
+
+
+def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:
+    sweep = subprocess.Popen(
+        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", "tune.num_samples=2",
+                "tune.max_concurrent=1"),
+        cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    time.sleep(15)  # the sweep's Ray is up and its first trial placed
+    run = subprocess.Popen(
+        command(tmp_path, "train", "quickstart.yaml", "side-run"),
+        cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        seen, jobs = watch(run)
+        out, err = run.communicate()
+        swept, _ = sweep.communicate(timeout=600)
+    finally:
+        for proc in (run, sweep):
+            if proc.poll() is None:
+                proc.kill()
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    assert sweep.returncode == 0, swept[-4000:]
+    assert "finished" in out and "raylift: best config:" in swept, swept[-2000:]
+    # A fresh local Ray, and not one line from Ray, MLflow or DeepSpeed on the console.
+    lines = (out + err).splitlines()
+    assert lines and not [line for line in lines if not line.startswith(OURS)], lines
+    # The Jobs API (which runs anyone's code) answers on 127.0.0.1 and listens nowhere else;
+    # whatever listens beyond loopback is one of Ray's own processes, guarded by its token.
+    assert jobs and all(ipaddress.ip_address(ip).is_loopback for ip, _ in jobs), jobs
+    outside = {a: p for a, p in seen.items() if not ipaddress.ip_address(a[0]).is_loopback}
+    strangers = {a: p for a, p in outside.items() if not is_ray_process(p, run.pid)}
+    assert not strangers, strangers

@@ -45,15 +45,17 @@ class NanDigits(DigitsTask):
 
 class KilledGPT(GPTTask):
     """The gpt task, except that rank 1's worker process is SIGKILLed at its ``kill_at``-th
-    training loss, unless ``marker`` exists; the killing writes it, so a restart lives."""
+    training loss, unless ``marker`` exists; the killing writes it, so a restart lives.
+    With ``nan_at``, that loss call (on every rank) is NaN instead."""
 
-    def __init__(self, marker: str, kill_at: int = 6, **kwargs: object):
+    def __init__(self, marker: str, kill_at: int = 6, nan_at: int = 0, **kwargs: object):
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.marker, self.kill_at, self.calls = Path(marker), kill_at, 0
+        self.marker, self.kill_at, self.nan_at, self.calls = Path(marker), kill_at, nan_at, 0
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.kill_at and dist.get_rank() == 1 and not self.marker.exists():
             self.marker.write_text(f"killed pid {os.getpid()}")
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: as the OOM killer does
-        return super().loss(model, batch)
+        loss = super().loss(model, batch)
+        return loss * float("nan") if self.calls == self.nan_at else loss

@@ -113,7 +113,14 @@ def verify_checkpoint(directory: Path) -> None:
                 f"checkpoint {directory} is incomplete: rank {rank} of {world} never "
                 f"finished writing it ({done.name} is missing)"
             )
-        for name, listed in json.loads(done.read_text()).items():
+        try:
+            listed_files = json.loads(done.read_text())
+        except ValueError as exc:  # cut off mid-write: a disk that filled up, a killed copy
+            raise CheckpointError(
+                f"checkpoint {directory} is incomplete: rank {rank}'s {done.name} is "
+                f"unreadable ({exc})"
+            ) from exc
+        for name, listed in listed_files.items():
             _verify_file(directory, name, listed, rank)
 
 

@@ -274,11 +274,17 @@ def _train(
     run_id = tracking.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
     startup.mark("mlflow")
     spec = RunSpec(cfg, shards, run_id, uri, cache, probe, startup)
+    fit_started = time.time()
     result = fit(build_trainer(cfg, where, spec, callbacks), spec)
     ckpt = result.checkpoint.path if result.checkpoint else None
     metrics = {
         k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
     }
+    # Ray Train's result carries the metrics of the latest checkpoint's report, not of a
+    # report without one (the stop on a NaN loss): rank 0 logged that step to MLflow.
+    bad = tracking.metric_since(uri, run_id, "nonfinite_step", fit_started)
+    if bad is not None:
+        metrics["nonfinite_step"] = bad
     final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
     if "nonfinite_step" in metrics:
         tracking.end_run(uri, run_id, "FAILED", final)

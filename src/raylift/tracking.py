@@ -65,6 +65,13 @@ def client(uri: str) -> Any:
     return MlflowClient(tracking_uri=uri)
 
 
+def metric_since(uri: str, run_id: str, key: str, since_s: float) -> float | None:
+    """The latest value of ``key`` logged at or after ``since_s`` (epoch seconds), if any."""
+    history = client(uri).get_metric_history(run_id, key)
+    recent = [m for m in history if m.timestamp >= since_s * 1000]
+    return float(recent[-1].value) if recent else None
+
+
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
     """The tag that finds a run again; ``name`` picks another run under ``cfg``'s storage
     (a sweep's trial) instead of ``cfg.name``."""

@@ -115,26 +115,30 @@ def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -
 
 
 def resume(trainer: Any, cfg: Config) -> None:
-    """Restore the checkpoint Ray hands back, or the newest complete one on local storage."""
+    """Restore the checkpoint Ray hands back, or a newer complete one on local storage."""
     import ray.train
 
-    from raylift.checkpoint import checkpoint_dirs, newest_complete, resume_point
+    from raylift.checkpoint import checkpoint_dirs, checkpoint_step, newest_complete, resume_point
 
     log = trainer.ctx.log
     checkpoint = ray.train.get_checkpoint()
+    # Ray registers a checkpoint only when its controller polls the report: a worker
+    # killed in between leaves the newest complete checkpoint on disk only. On local
+    # storage it is found there, and preferred when it is newer than Ray's.
+    run_dir = Path(storage.resolve(cfg.storage)) / cfg.name
+    on_disk = None if storage.is_remote(cfg.storage) else newest_complete(run_dir, log)
     if checkpoint is not None:
+        handed = Path(checkpoint.path)
+        if on_disk is not None and checkpoint_step(on_disk) > checkpoint_step(handed):
+            log(f"raylift: {on_disk.name} is complete on disk, newer than Ray's {handed.name}")
+            trainer.restore(on_disk)
+            return
         with checkpoint.as_directory() as directory:
             trainer.restore(resume_point(Path(directory), log))
         return
-    if storage.is_remote(cfg.storage):
-        return
-    # A worker killed right after a checkpoint's report, before Ray's controller
-    # registered it, leaves that checkpoint on disk only: resume from it all the same.
-    run_dir = Path(storage.resolve(cfg.storage)) / cfg.name
-    found = newest_complete(run_dir, log)
-    if found is not None:
-        trainer.restore(found)
-    elif checkpoint_dirs(run_dir):
+    if on_disk is not None:
+        trainer.restore(on_disk)
+    elif not storage.is_remote(cfg.storage) and checkpoint_dirs(run_dir):
         log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
 
 

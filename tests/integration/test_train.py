@@ -58,6 +58,39 @@ def test_quickstart_trains_and_logs_one_mlflow_run(ray_cluster: str, in_tmp: Pat
     assert len(runs) == 1  # one run per training run, not one per worker
 
 
+def test_a_nan_loss_under_stop_fails_the_run_through_ray(
+    ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stop is a report without a checkpoint, which Ray Train's result does not
+    carry: the driver still sees it, exits 1 and keeps the last good checkpoint."""
+    code = cli_main(
+        [
+            "train",
+            str(QUICKSTART),
+            "name=nan",
+            "task=tests.flaky:NanDigits",
+            "task_args={nan_at: 13, width: 8}",
+            "train.max_steps=20",
+            "train.log_every_n_steps=5",
+            "checkpoint.every_n_steps=10",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "inf/NaN at step 13" in err and "checkpoint-step00000010" in err, err
+    client, run = mlflow_run(in_tmp, find_only_run(in_tmp))
+    assert run.info.status == "FAILED"
+    assert list(history(client, run.info.run_id, "nonfinite_step").values()) == [13.0]
+
+
+def find_only_run(tmp: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raylift").experiment_id])
+    return str(run.info.run_id)
+
+
 # What raylift train prints: its own notes, and rank 0's progress lines.
 OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
 STARTUP_KEYS = {f"startup/{p}_s" for p in PHASES}

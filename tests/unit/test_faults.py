@@ -151,6 +151,11 @@ def test_a_same_size_corruption_falls_back_to_the_previous_intact_checkpoint(
     assert resume_point(latest, said.append).name == "checkpoint-step00000010"
     assert name in said[0] and "newest complete" in said[-1]
     assert cli_main(["verify", str(tmp_path)]) == 1  # only older ones are intact
+    # A completion list cut short (the disk filled while it was written) reads as incomplete.
+    older = tmp_path / "checkpoint-step00000010" / "complete-rank0.json"
+    older.write_text(older.read_text()[:10])
+    with pytest.raises(CheckpointError, match=r"complete-rank0\.json is unreadable"):
+        verify_checkpoint(older.parent)
 
 
 def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -281,7 +281,9 @@ def _train(
         k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
     }
     # Ray Train's result carries the metrics of the latest checkpoint's report, not of a
-    # report without one (the stop on a NaN loss): rank 0 logged that step to MLflow.
+    # later report without one (the final evaluation after the last checkpoint, the stop
+    # on a NaN loss): rank 0 logged those to MLflow, which has the last word.
+    metrics.update(tracking.latest_metrics(uri, run_id, ("val_", "train_")))
     bad = tracking.metric_since(uri, run_id, "nonfinite_step", fit_started)
     if bad is not None:
         metrics["nonfinite_step"] = bad

@@ -72,6 +72,12 @@ def metric_since(uri: str, run_id: str, key: str, since_s: float) -> float | Non
     return float(recent[-1].value) if recent else None
 
 
+def latest_metrics(uri: str, run_id: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+    """The run's latest value of every metric whose name starts with one of ``prefixes``."""
+    metrics = client(uri).get_run(run_id).data.metrics
+    return {k: float(v) for k, v in metrics.items() if k.startswith(prefixes)}
+
+
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
     """The tag that finds a run again; ``name`` picks another run under ``cfg``'s storage
     (a sweep's trial) instead of ``cfg.name``."""

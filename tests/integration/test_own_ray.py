@@ -98,8 +98,7 @@ def watch(
 
 def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:
     sweep = subprocess.Popen(
-        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", "tune.num_samples=2",
-                "tune.max_concurrent=1"),
+        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", "tune.num_samples=1"),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip

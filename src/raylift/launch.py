@@ -9,6 +9,7 @@ it all in one :class:`~raylift.worker.RunSpec`.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import os
 import sys
@@ -484,6 +485,12 @@ def _failure_message(exc: BaseException, cfg: Config) -> str:
         root = root.__cause__
     text = str(root).strip().splitlines()
     detail = text[-1] if text else type(root).__name__
+    if "No space left on device" in str(root) or getattr(root, "errno", None) == errno.ENOSPC:
+        return (
+            f"training run {cfg.name!r} failed: the disk under storage {cfg.storage!r} is full "
+            f"({detail})\n  free space there or set storage elsewhere, then rerun the same "
+            "command: it resumes from the newest complete checkpoint, skipping the cut-off one"
+        )
     return (
         f"training run {cfg.name!r} failed: {detail}\n"
         f"  the full worker traceback is above; fix the cause and rerun the same command "

@@ -90,3 +90,25 @@ def test_only_user_code_outside_site_packages_travels() -> None:
     assert user_code_env("digits") == {}
     shipped = user_code_env("tests.bottlenecks:SlowInputDigits")
     assert shipped["py_modules"][0].endswith("tests")
+
+
+def test_a_full_disk_is_named_with_the_fix() -> None:
+    from raylift.launch import _failure_message
+
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as full:
+            raise RuntimeError("Training failed due to a worker error") from full
+    except RuntimeError as exc:
+        said = _failure_message(exc, make_config(storage="/mnt/small"))
+    assert "the disk under storage '/mnt/small' is full" in said
+    assert "newest complete checkpoint" in said
+
+
+def test_placement_is_bounded_in_attempts_of_at_most_a_minute() -> None:
+    from raylift.launch import placement_bounds
+
+    assert placement_bounds(300.0) == (60.0, 4)  # 5 attempts of 60 s
+    assert placement_bounds(5.0) == (5.0, 0)  # one attempt
+    assert placement_bounds(90.0) == (60.0, 1)

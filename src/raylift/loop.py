@@ -107,15 +107,13 @@ class Trainer:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=accum))
         self.cfg, self.task, self.ctx = cfg, task, ctx
         self.precision = resolve_precision(cfg.precision)
+        self.precision.configure_matmul(ctx.device)  # before MFU's peak, which depends on it
         self.accum = accum
         self.clock = PhaseClock(ctx.device, ctx.now)
         self.engine, fps = self._build_engine()
         self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
         peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
-        # The first step whose loss was not finite, kept on the device: checking it costs a
-        # host sync, so it is read only where the loop syncs anyway (log, eval, checkpoint).
-        self.bad_step = torch.full((), -1.0, device=ctx.device)
         seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
         self.steps_per_epoch = self._micro_per_epoch() // accum
         self.total_steps = self._total_steps()
@@ -235,12 +233,12 @@ class Trainer:
         ``worst`` is the bad step already reduced over ranks, where the caller packed it
         into a collective of its own."""
         if worst is None:
-            worst = all_reduce_max([float(self.bad_step)], self.ctx.device)[0]
-        if worst < 0:
-            return
-        if self.cfg.train.on_nan == "stop":
+            if self.cfg.train.on_nan == "skip":
+                return  # nothing to stop for: no sync
+            worst = all_reduce_max([self.meter.current.first_bad_step()], self.ctx.device)[0]
+        if worst >= 0 and self.cfg.train.on_nan == "stop":
             raise NonFiniteLoss(int(worst))
-        self.bad_step.fill_(-1.0)  # skip: the engine left the weights alone and counted it
+        # skip: the engine left the weights alone on that step and counted it
 
     def _run(self) -> dict[str, float]:
         self.engine.model.train()
@@ -315,10 +313,7 @@ class Trainer:
                 loss = self.task.loss(self.engine.model, batch)
             with phase("backward"):
                 self.engine.backward(loss / self.accum)
-        finite = self.meter.current.add(loss)
-        # A Python scalar, not a new tensor: no host-to-device copy per micro-step.
-        first = float(self.state.step + 1)
-        self.bad_step = torch.where(finite | (self.bad_step >= 0), self.bad_step, first)
+        self.meter.current.add(loss, self.state.step + 1)
         self.state.batch_in_epoch += 1
         self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
 
@@ -370,7 +365,7 @@ class Trainer:
             return
         # The interval's host syncs: one sum and one max over ranks, the NaN check riding along.
         (loss_sum, count), timing, worst = self.meter.reduce(
-            interval.times, [interval.loss_sum, interval.finite], [float(self.bad_step)]
+            interval.times, list(interval.sums()), [interval.first_bad_step()]
         )
         self._check_finite(worst[0])
         metrics: dict[str, float] = {

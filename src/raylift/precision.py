@@ -24,6 +24,9 @@ class Precision:
     autocast_dtype: torch.dtype | None  # None: no autocast
     param_dtype: torch.dtype  # dtype the model's weights are kept in
     use_scaler: bool  # fp16 gradients underflow without loss scaling
+    # fp32 matmuls and convolutions on CUDA may run on TF32 tensor cores (10-bit
+    # mantissa, ~8x the fp32 rate on an H100); ``32-true`` asks for exact fp32.
+    tf32: bool = True
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -46,10 +49,18 @@ class Precision:
     def grad_scaler(self, device: torch.device) -> torch.amp.GradScaler | None:
         return torch.amp.GradScaler(device.type) if self.use_scaler else None
 
+    def configure_matmul(self, device: torch.device) -> None:
+        """Set this process's fp32 matmul math for ``device``: TF32 or exact (CUDA only;
+        a CPU's fp32 matmul is always exact)."""
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = self.tf32
+            torch.backends.cudnn.allow_tf32 = self.tf32
+
 
 # Every precision the config accepts, by the name it is written with.
 PRECISIONS = {
     "32": Precision("32", None, torch.float32, False),
+    "32-true": Precision("32-true", None, torch.float32, False, tf32=False),
     "16-mixed": Precision("16-mixed", torch.float16, torch.float32, True),
     "bf16-mixed": Precision("bf16-mixed", torch.bfloat16, torch.float32, False),
     "bf16-true": Precision("bf16-true", None, torch.bfloat16, False),

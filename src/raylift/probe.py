@@ -23,6 +23,18 @@ from raylift.metrics import StepTimes, dtype_key, peak_flops
 
 PREFIX = "doctor_"
 SYNC_OPS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# Operators that make no kernel of their own: views, metadata, allocation.
+NO_KERNEL_OPS = frozenset(
+    f"aten::{name}"
+    for name in (
+        "detach", "view", "_unsafe_view", "alias", "t", "as_strided", "_reshape_alias",
+        "reshape", "expand", "unsqueeze", "squeeze", "select", "slice", "transpose",
+        "permute", "empty", "empty_strided", "empty_like", "lift_fresh", "resolve_conj",
+        "resolve_neg", "split", "chunk", "unbind", "narrow", "to", "contiguous",
+        "set_", "result_type", "is_nonzero",
+    )
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +131,31 @@ def trace_stats(profiler: Any, steps: int, elapsed: float) -> dict[str, float]:
         "syncs_per_step": syncs / max(steps, 1),
         "profiled_comm_frac": min(comm_us / 1e6 / max(elapsed, 1e-9), 1.0),
     }
+
+
+def launches(profiler: Any) -> int:
+    """Kernel launches in a profile: the CUDA runtime's launch calls on a GPU; on a CPU,
+    the innermost operators that compute (each would be a kernel on a GPU)."""
+    events = profiler.events()
+    cuda = sum(1 for e in events if e.name in LAUNCH_APIS)
+    if cuda:
+        return cuda
+    return sum(
+        1
+        for e in events
+        if e.name.startswith("aten::")
+        and e.name not in NO_KERNEL_OPS
+        and not any(c.name.startswith("aten::") for c in e.cpu_children)
+    )
+
+
+def syncs(profiler: Any) -> int:
+    """Host syncs in a profile (see :func:`trace_stats`)."""
+    return sum(
+        1
+        for e in profiler.events()
+        if e.name in SYNC_OPS and not _inside(e, SYNC_OPS, "Optimizer.step")
+    )
 
 
 def _inside(event: Any, names: tuple[str, ...], prefix: str) -> bool:

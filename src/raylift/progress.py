@@ -1,6 +1,6 @@
 """What each logging interval reports: loss, step-time breakdown, throughput, MFU, memory.
 
-Losses accumulate on the device during the interval; at its end one sum and one max
+Losses are kept on the device during the interval; at its end one sum and one max
 collective carry everything (the loss sums, the phase times, the worst data wait and
 memory, and whatever the caller packs in, such as the NaN check), which is the
 interval's only host sync.
@@ -25,31 +25,50 @@ from raylift.metrics import (
     memory_now,
     mfu,
 )
+from raylift.optim import describe
 from raylift.strategies import Engine
 
 
 @dataclasses.dataclass
 class Interval:
-    """Device-side running sums for one logging interval, and its phase times."""
+    """One logging interval: its micro-batches' losses and its phase times.
 
-    loss_sum: torch.Tensor  # finite losses only: a skipped step does not poison the mean
-    finite: torch.Tensor  # micro-batches whose loss was finite
+    The losses stay on the device as they came, one reference each: nothing runs per
+    micro-step that a hand-written loop would not run. They are summed, and checked for
+    inf/NaN, once, where the loop syncs anyway (the interval's log, an evaluation, a
+    checkpoint)."""
+
     times: StepTimes
-    micro_batches: int = 0
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    steps: list[int] = dataclasses.field(default_factory=list)  # the step each loss is for
 
     @classmethod
-    def fresh(cls, device: torch.device, clock: PhaseClock) -> Interval:
-        zero = torch.zeros((), device=device, dtype=torch.float32)
-        return cls(zero, zero.clone(), clock.open())
+    def fresh(cls, clock: PhaseClock) -> Interval:
+        return cls(clock.open())
 
-    def add(self, loss: torch.Tensor) -> torch.Tensor:
-        """Count one micro-batch's loss; returns whether it was finite (on the device)."""
-        value = loss.detach().float()
-        finite = torch.isfinite(value)
-        self.loss_sum += torch.where(finite, value, 0.0)
-        self.finite += finite
-        self.micro_batches += 1
-        return finite
+    @property
+    def micro_batches(self) -> int:
+        return len(self.losses)
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Keep one micro-batch's loss, for the optimizer step ``step``."""
+        self.losses.append(loss.detach())
+        self.steps.append(step)
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sum of the finite losses and their count, on the device: a skipped step
+        does not poison the mean."""
+        values = torch.stack(self.losses).float()
+        finite = torch.isfinite(values)
+        return torch.where(finite, values, 0.0).sum(), finite.sum().float()
+
+    def first_bad_step(self) -> float:
+        """The first step whose loss was inf/NaN, or -1: reads the device (a host sync)."""
+        if not self.losses:
+            return -1.0
+        bad = ~torch.isfinite(torch.stack(self.losses))
+        at = int(torch.where(bad.any(), bad.int().argmax(), -1))
+        return float(self.steps[at]) if at >= 0 else -1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +86,7 @@ class IntervalMeter:
 
     def __init__(self, ctx: WorkerContext, clock: PhaseClock, rates: Rates):
         self.ctx, self.clock, self.rates = ctx, clock, rates
-        self.current = Interval.fresh(ctx.device, clock)
+        self.current = Interval.fresh(clock)
         self.memory: dict[str, float] = {}  # model-state bytes, after the first step
 
     def rotate(self) -> Interval:
@@ -78,7 +97,7 @@ class IntervalMeter:
         ending = self.current
         self.clock.close(ending.times)
         self.clock.drain()
-        self.current = Interval.fresh(self.ctx.device, self.clock)
+        self.current = Interval.fresh(self.clock)
         return ending
 
     def reduce(
@@ -135,6 +154,7 @@ class IntervalMeter:
         self.ctx.log(
             f"model state held by rank 0: {mib:.2f} MiB "
             + " ".join(f"{k} {v / 2**20:.2f}" for k, v in held.items())
+            + f"; optimizer {describe(engine.optimizer)}"
         )
 
 

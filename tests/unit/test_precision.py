@@ -49,3 +49,26 @@ def test_named_precisions_carry_their_dtypes_and_unknown_names_are_refused() -> 
     assert ACCEPTED[0] == "auto"
     with pytest.raises(ValueError, match="choose one of"):
         resolve_precision("fp8")
+
+
+def test_fp32_allows_tf32_on_cuda_and_32_true_keeps_it_exact() -> None:
+    assert PRECISIONS["32"].tf32 and not PRECISIONS["32-true"].tf32
+    assert "32-true" in ACCEPTED and PRECISIONS["32-true"].compute_dtype == torch.float32
+    before = torch.backends.cuda.matmul.allow_tf32
+    PRECISIONS["32"].configure_matmul(torch.device("cpu"))  # a CPU's fp32 is always exact
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+
+
+@pytest.mark.gpu
+def test_tf32_follows_the_precision_on_cuda() -> None:
+    from raylift.metrics import math_key
+
+    try:
+        PRECISIONS["32"].configure_matmul(torch.device("cuda"))
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        assert math_key(torch.float32) == "tf32"  # MFU against the TF32 peak
+        PRECISIONS["32-true"].configure_matmul(torch.device("cuda"))
+        assert not torch.backends.cuda.matmul.allow_tf32
+        assert math_key(torch.float32) == "fp32"
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False

@@ -24,11 +24,14 @@ def meter(now: Ticks, rates: Rates) -> IntervalMeter:
 
 
 def test_an_interval_sums_finite_losses_and_counts_the_bad_ones_out() -> None:
-    interval = Interval.fresh(torch.device("cpu"), PhaseClock(torch.device("cpu")))
-    for value in (1.0, float("nan"), 3.0):
-        interval.add(torch.tensor(value))
-    assert interval.micro_batches == 3
-    assert float(interval.loss_sum) == 4.0 and float(interval.finite) == 2.0
+    interval = Interval.fresh(PhaseClock(torch.device("cpu")))
+    assert interval.first_bad_step() == -1.0
+    for step, value in ((7, 1.0), (8, 3.0), (9, float("nan")), (10, float("inf"))):
+        interval.add(torch.tensor(value), step)
+    assert interval.micro_batches == 4
+    loss_sum, finite = interval.sums()
+    assert float(loss_sum) == 4.0 and float(finite) == 2.0
+    assert interval.first_bad_step() == 9.0
 
 
 def test_reduce_gives_throughput_mfu_and_the_breakdown_of_the_interval() -> None:

@@ -215,7 +215,9 @@ def build_deepspeed(
         apply_activation_checkpointing(blocks)
     # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
     model = model.to(device)
-    optimizer = build_optimizer(model, cfg.optim)
+    # ZeRO's offload keeps the fp32 master and moments on the CPU: no fused CUDA kernel.
+    offloaded = cfg.strategy.offload or cfg.strategy.offload_optimizer
+    optimizer = build_optimizer(model, cfg.optim, fused=not offloaded)
     # Which device DeepSpeed binds is raylift's choice (Ray may share CUDA_VISIBLE_DEVICES).
     args = argparse.Namespace(device_rank=(device.index or 0) if device.type == "cuda" else 0)
     ds_engine, _, _, _ = deepspeed.initialize(

@@ -17,7 +17,7 @@ from torch import nn
 
 from raylift.config import Config
 from raylift.init import Initializer, write_in_place
-from raylift.optim import optimizer_class_and_kwargs, param_groups
+from raylift.optim import implementation, optimizer_class_and_kwargs, param_groups
 from raylift.precision import PRECISIONS, Precision
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
@@ -39,6 +39,7 @@ def build_oss(model: nn.Module, cfg: Config) -> Any:
     from fairscale.optim import OSS
 
     cls, kwargs = optimizer_class_and_kwargs(cfg.optim)
+    kwargs.update(implementation(cfg.optim.name, model.parameters()))
     return OSS(param_groups(model.named_parameters(), cfg.optim.weight_decay), optim=cls, **kwargs)
 
 

@@ -53,6 +53,11 @@ class DataConfig:
         return out
 
 
+# torch.compile's modes; the CUDA-graph ones ("reduce-overhead", "max-autotune") are left
+# out: a graph replays fixed buffers, which collectives and per-block compile break.
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
+
+
 @dataclasses.dataclass
 class ScalingConfig:
     num_workers: int | list[int] = 2
@@ -179,6 +184,7 @@ class TrainConfig:
     eval_every_n_steps: int | None = None
     log_every_n_steps: int = 10
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
     max_failures: int = 0
     on_nan: str = "stop"  # a non-finite loss or gradient: stop the run, or skip that step
 
@@ -197,6 +203,11 @@ class TrainConfig:
             out.append("train.grad_clip: must be > 0, or null to turn clipping off")
         if self.max_failures < -1:
             out.append("train.max_failures: must be >= 0, or -1 for unlimited retries")
+        if self.compile_mode not in COMPILE_MODES:
+            out.append(
+                f"train.compile_mode: {self.compile_mode!r} is not one of {COMPILE_MODES}; "
+                "max-autotune-no-cudagraphs tunes kernels for the GPU at a longer compile"
+            )
         return out
 
 

@@ -92,11 +92,15 @@ def initial_weights(
         load(model, weights, write)
 
 
-def apply_compile(model: torch.nn.Module, task: Task) -> None:
-    """Compile each repeated block where the task names them (fast to build), else the model."""
+def apply_compile(model: torch.nn.Module, task: Task, mode: str = "default") -> None:
+    """Compile each repeated block where the task names them, else the model.
+
+    Per block: one graph serves every layer (compile time does not grow with depth), and
+    it composes with each strategy's per-block wrapping (FSDP2's ``fully_shard``,
+    activation checkpointing, DeepSpeed's hooks) instead of tracing through them."""
     blocks = blocks_of(task, model)
     for block in blocks or [model]:
-        block.compile()
+        block.compile(mode=mode)
 
 
 class Trainer:
@@ -143,7 +147,7 @@ class Trainer:
             model = self.task.build_model()
         fps = flops_per_sample(self.task, model)
         if cfg.train.compile:
-            apply_compile(model, self.task)
+            apply_compile(model, self.task, cfg.train.compile_mode)
         blocks = blocks_of(self.task, model)
         # The same seeded pass on every rank and strategy: identical initial weights.
         sharded = any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
@@ -241,6 +245,7 @@ class Trainer:
         # skip: the engine left the weights alone on that step and counted it
 
     def _run(self) -> dict[str, float]:
+        self.first_step_started = self.clock.now()
         self.engine.model.train()
         if self.state.step == 0:
             self._evaluate_and_report()  # the untrained baseline, so every curve has a start
@@ -327,6 +332,7 @@ class Trainer:
         step, train_cfg = self.state.step, self.cfg.train
         if not self.meter.memory:
             self._log_startup()
+            self._log_compile()
             self.meter.log_model_state(self.engine, step)
         if step % train_cfg.log_every_n_steps == 0 or step == self.total_steps:
             self._end_interval()
@@ -338,6 +344,17 @@ class Trainer:
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
+
+    def _log_compile(self) -> None:
+        """How long the first step took with compilation in it: said once."""
+        if not self.cfg.train.compile:
+            return
+        seconds = self.clock.now() - self.first_step_started
+        self.ctx.tracker.log_metrics({"compile_first_step_s": seconds}, self.state.step)
+        self.ctx.log(
+            f"train.compile ({self.cfg.train.compile_mode}): {seconds:.1f} s to the end of the "
+            "first step, compilation included (the evaluation's graphs and training's)"
+        )
 
     def _log_startup(self) -> None:
         """The run's start-up phases, once, at its first step (one host sync, once)."""

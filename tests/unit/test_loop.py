@@ -226,21 +226,55 @@ def test_trainer_on_cuda_with_nccl(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_compile_per_block_trains(tmp_path: Path, pg: None) -> None:
-    """train.compile compiles each transformer block (not the whole model) and still trains."""
-    cfg = make_config(
-        task="gpt",
-        task_args={"block_size": 16, "n_layer": 2, "n_head": 2, "d_model": 32, "max_bytes": 20000},
-        data={"batch_size": 8},
-        train={"compile": True, "max_steps": 3, "log_every_n_steps": 1},
-    )
-    tracker = ListTracker()
-    trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path), tracker)
-    blocks = trainer.engine.module.blocks  # type: ignore[union-attr]
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks)
-    assert getattr(trainer.engine.module, "_compiled_call_impl", None) is None
-    trainer.run()
-    assert all(math.isfinite(v) for v in tracker.series("train_loss").values())
+def test_compile_per_block_follows_the_eager_curve(tmp_path: Path, pg: None) -> None:
+    """train.compile compiles each transformer block (not the whole model), says how long
+    the first step took, and trains as eager does (fp32: to compile's rounding)."""
+    curves = {}
+    for compiled in (False, True):
+        cfg = make_config(
+            task="gpt",
+            task_args={
+                "block_size": 16,
+                "n_layer": 2,
+                "n_head": 2,
+                "d_model": 32,
+                "max_bytes": 20000,
+            },
+            data={"batch_size": 8},
+            precision="32",
+            train={"compile": compiled, "max_steps": 6, "log_every_n_steps": 1},
+        )
+        tracker = ListTracker()
+        trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path / str(compiled)), tracker)
+        blocks = trainer.engine.module.blocks  # type: ignore[union-attr]
+        assert all(
+            (getattr(b, "_compiled_call_impl", None) is not None) == compiled for b in blocks
+        )
+        assert getattr(trainer.engine.module, "_compiled_call_impl", None) is None
+        trainer.run()
+        curves[compiled] = tracker.series("train_loss")
+    assert tracker.series("compile_first_step_s")[1] > 0
+    for step, eager in curves[False].items():
+        assert curves[True][step] == pytest.approx(eager, rel=1e-4), step
+
+
+@pytest.mark.parametrize("task_name", ["gpt", "images"])
+def test_the_builtin_blocks_compile_without_a_graph_break(task_name: str, tmp_path: Path) -> None:
+    from raylift.tasks import build_task
+
+    if task_name == "gpt":
+        task = build_task("gpt", {"n_layer": 1, "d_model": 32, "n_head": 2, "block_size": 16})
+        block = task.blocks(task.build_model())[0]
+        x = torch.randn(2, 16, 32)
+    else:
+        from tests.corpora import write_image_folder
+
+        root = write_image_folder(tmp_path / "shapes", per_class=2, size=16)
+        task = build_task("images", {"root": str(root), "image_size": 16, "width": 8})
+        block = task.blocks(task.build_model())[0]
+        x = torch.randn(2, 8, 16, 16)
+    explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
 
 
 class TickingClock:

@@ -34,7 +34,13 @@ os.environ.setdefault(
 )
 
 from raylift.config import ConfigError, config_from_dict, load_config  # noqa: E402
-from tests.helpers import ListTracker, LocalReporter, make_trainer, run_ranks  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    ListTracker,
+    LocalReporter,
+    close_pools,
+    make_trainer,
+    run_ranks,
+)
 
 LOG_EVERY = 10
 STRATEGIES = {
@@ -89,8 +95,11 @@ def main() -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     opts = parser.parse_args()
     cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
-    for precision in opts.precision:
-        report(measure_all(opts, precision, cuda), opts, precision, 1 if cuda else 2)
+    try:
+        for precision in opts.precision:
+            report(measure_all(opts, precision, cuda), opts, precision, 1 if cuda else 2)
+    finally:
+        close_pools()  # the spawned ranks wait for work until told to stop
 
 
 def measure_all(opts: argparse.Namespace, precision: str, cuda: bool) -> dict:

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from raylift.config import load_config  # noqa: E402
-from tests.helpers import run_ranks, train_and_record  # noqa: E402
+from tests.helpers import close_pools, run_ranks, train_and_record  # noqa: E402
 
 STRATEGIES = {
     "ddp": ["strategy.name=ddp"],
@@ -57,11 +57,16 @@ def main() -> None:
                 continue
             cfg = load_config(REPO / "configs" / "gpt-tiny.yaml", [*common, *overrides])
             out = Path(tmp) / name / "loss.pt"
-            run_ranks(2, Path(tmp), train_and_record, cfg.to_dict(), str(out))
+            try:
+                run_ranks(2, Path(tmp), train_and_record, cfg.to_dict(), str(out))
+            except BaseException:
+                close_pools()  # else the spawned ranks keep the process from exiting
+                raise
             results[name] = (
                 torch.load(out, weights_only=True),
                 torch.load(f"{out}.memory", weights_only=True),
             )
+    close_pools()
     ref = results["ddp"][0]
     print(
         f"gpt-tiny, 2 workers, precision {opts.precision}, {opts.steps} steps; "

@@ -41,6 +41,7 @@ def command(tmp: Path, verb: str, config: str, name: str, *extra: str) -> list[s
         str(REPO / "configs" / config),
         f"name={name}",
         "train.max_epochs=1",
+        "train.max_steps=10",
         f"storage={tmp / name}",  # each its own shards: the two prepare at once
         f"tracking.uri=sqlite:///{tmp / f'{name}.db'}",
         *extra,
@@ -102,7 +103,7 @@ def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> N
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
-    time.sleep(15)  # the sweep's Ray is up and its first trial placed
+    time.sleep(10)  # the sweep's Ray is up and its trial on its way
     run = subprocess.Popen(
         command(tmp_path, "train", "quickstart.yaml", "side-run"),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

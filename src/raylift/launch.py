@@ -160,6 +160,8 @@ def run_exists(where: str, name: str) -> bool:
 
 
 START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+# A user's own setting, read once: raylift sets the variable for each run it starts.
+_USER_ATTEMPT_S = os.environ.get(START_TIMEOUT_VAR)
 
 
 def worker_resources(cfg: Config) -> dict[str, float]:
@@ -169,11 +171,11 @@ def worker_resources(cfg: Config) -> dict[str, float]:
     return resources
 
 
-def placement_bounds(timeout_s: float) -> tuple[float, int]:
-    """Ray Train's wait for one placement attempt, and how many more attempts fit in
-    ``timeout_s``. Attempts of at most a minute: an elastic run retries at the size the
-    cluster has room for by then (and an autoscaler may have added nodes)."""
-    attempt = min(60.0, timeout_s)
+def placement_bounds(timeout_s: float, attempt_s: str | None = None) -> tuple[float, int]:
+    """Ray Train's wait for one placement attempt (``attempt_s`` if the environment sets
+    it, else at most a minute, Ray's default), and how many more attempts fit in
+    ``timeout_s``. Between attempts an autoscaler may have added nodes."""
+    attempt = min(float(attempt_s) if attempt_s else 60.0, timeout_s)
     return attempt, max(0, math.ceil(timeout_s / attempt) - 1)
 
 
@@ -189,9 +191,13 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
 
     sc = cfg.scaling
     resources = worker_resources(cfg)
-    start_timeout, retries = placement_bounds(sc.placement_timeout_s)
+    start_timeout, retries = placement_bounds(sc.placement_timeout_s, _USER_ATTEMPT_S)
     # Ray Train propagates this variable from the driver's environment to its controller.
     os.environ[START_TIMEOUT_VAR] = str(start_timeout)
+    if sc.elastic:
+        # Waiting for room is what an elastic run does: it starts at the size that fits
+        # and retries smaller; Ray counts those retries over the run's whole life.
+        retries = -1
     workers: int | tuple[int, int] = (
         (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
     )

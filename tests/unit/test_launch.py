@@ -112,3 +112,4 @@ def test_placement_is_bounded_in_attempts_of_at_most_a_minute() -> None:
     assert placement_bounds(300.0) == (60.0, 4)  # 5 attempts of 60 s
     assert placement_bounds(5.0) == (5.0, 0)  # one attempt
     assert placement_bounds(90.0) == (60.0, 1)
+    assert placement_bounds(300.0, "10") == (10.0, 29)  # the environment's attempt length

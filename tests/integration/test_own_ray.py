@@ -103,7 +103,7 @@ def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> N
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
-    time.sleep(10)  # the sweep's Ray is up and its trial on its way
+    time.sleep(2)  # the two start up side by side
     run = subprocess.Popen(
         command(tmp_path, "train", "quickstart.yaml", "side-run"),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -129,9 +129,10 @@ def resume(trainer: Any, cfg: Config) -> None:
     on_disk = None if storage.is_remote(cfg.storage) else newest_complete(run_dir, log)
     if checkpoint is not None:
         handed = Path(checkpoint.path)
-        if on_disk is not None and checkpoint_step(on_disk) > checkpoint_step(handed):
-            log(f"raylift: {on_disk.name} is complete on disk, newer than Ray's {handed.name}")
-            trainer.restore(on_disk)
+        if on_disk is not None and checkpoint_step(on_disk) >= checkpoint_step(handed):
+            if on_disk.name != handed.name:
+                log(f"raylift: {on_disk.name} is complete on disk, newer than Ray's {handed.name}")
+            trainer.restore(on_disk)  # verified already: not read twice
             return
         with checkpoint.as_directory() as directory:
             trainer.restore(resume_point(Path(directory), log))

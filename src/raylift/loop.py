@@ -381,8 +381,9 @@ class Trainer:
         if interval.micro_batches == 0:
             return
         # The interval's host syncs: one sum and one max over ranks, the NaN check riding along.
+        loss_sum_t, count_t, bad = interval.summary()
         (loss_sum, count), timing, worst = self.meter.reduce(
-            interval.times, list(interval.sums()), [interval.first_bad_step()]
+            interval.times, [loss_sum_t, count_t], [bad]
         )
         self._check_finite(worst[0])
         metrics: dict[str, float] = {

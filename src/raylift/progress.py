@@ -55,20 +55,19 @@ class Interval:
         self.losses.append(loss.detach())
         self.steps.append(step)
 
-    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sum of the finite losses and their count, on the device: a skipped step
-        does not poison the mean."""
+    def summary(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The sum of the finite losses and their count, on the device (a skipped step
+        does not poison the mean), and the first step whose loss was inf/NaN, or -1:
+        one stack of the losses, one host read."""
         values = torch.stack(self.losses).float()
         finite = torch.isfinite(values)
-        return torch.where(finite, values, 0.0).sum(), finite.sum().float()
+        at = int(torch.where(finite.all(), -1, (~finite).int().argmax()))
+        bad = float(self.steps[at]) if at >= 0 else -1.0
+        return torch.where(finite, values, 0.0).sum(), finite.sum().float(), bad
 
     def first_bad_step(self) -> float:
-        """The first step whose loss was inf/NaN, or -1: reads the device (a host sync)."""
-        if not self.losses:
-            return -1.0
-        bad = ~torch.isfinite(torch.stack(self.losses))
-        at = int(torch.where(bad.any(), bad.int().argmax(), -1))
-        return float(self.steps[at]) if at >= 0 else -1.0
+        """The first step whose loss was inf/NaN, or -1 (a host sync)."""
+        return self.summary()[2] if self.losses else -1.0
 
 
 @dataclasses.dataclass(frozen=True)

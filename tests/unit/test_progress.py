@@ -29,9 +29,9 @@ def test_an_interval_sums_finite_losses_and_counts_the_bad_ones_out() -> None:
     for step, value in ((7, 1.0), (8, 3.0), (9, float("nan")), (10, float("inf"))):
         interval.add(torch.tensor(value), step)
     assert interval.micro_batches == 4
-    loss_sum, finite = interval.sums()
+    loss_sum, finite, bad = interval.summary()
     assert float(loss_sum) == 4.0 and float(finite) == 2.0
-    assert interval.first_bad_step() == 9.0
+    assert bad == 9.0 and interval.first_bad_step() == 9.0
 
 
 def test_reduce_gives_throughput_mfu_and_the_breakdown_of_the_interval() -> None:

@@ -16,7 +16,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -93,7 +93,8 @@ def initial_weights(
 
 
 def apply_compile(model: torch.nn.Module, task: Task, mode: str = "default") -> None:
-    """Compile each repeated block where the task names them, else the model.
+    """Compile each repeated block where the task names them, else the model, and the
+    task's ``criterion``.
 
     Per block: one graph serves every layer (compile time does not grow with depth), and
     it composes with each strategy's per-block wrapping (FSDP2's ``fully_shard``,
@@ -101,6 +102,16 @@ def apply_compile(model: torch.nn.Module, task: Task, mode: str = "default") -> 
     blocks = blocks_of(task, model)
     for block in blocks or [model]:
         block.compile(mode=mode)
+    compile_criterion(task, mode)
+
+
+def compile_criterion(task: Task, mode: str) -> None:
+    """Compile the task's ``criterion`` where it has one: it holds no parameters, so no
+    strategy's hooks are in its graph."""
+    criterion = getattr(task, "criterion", None)
+    if callable(criterion) and not hasattr(criterion, "_torchdynamo_orig_callable"):
+        # The instance attribute shadows the method for this task object only.
+        task.criterion = torch.compile(criterion, mode=mode)  # type: ignore[attr-defined]
 
 
 class Trainer:
@@ -146,7 +157,8 @@ class Trainer:
         with spec.create(cfg, self.precision, device):  # no storage where it shards params
             model = self.task.build_model()
         fps = flops_per_sample(self.task, model)
-        if cfg.train.compile:
+        whole = cfg.train.compile and spec.compile_whole
+        if cfg.train.compile and not whole:
             apply_compile(model, self.task, cfg.train.compile_mode)
         blocks = blocks_of(self.task, model)
         # The same seeded pass on every rank and strategy: identical initial weights.
@@ -157,6 +169,10 @@ class Trainer:
             initial_weights, model, self.task, cfg.train.seed, weights, sharded
         )
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
+        if whole:
+            compiled = torch.compile(engine.model, mode=cfg.train.compile_mode)
+            engine.model = cast(torch.nn.Module, compiled)  # an OptimizedModule
+            compile_criterion(self.task, cfg.train.compile_mode)
         engine.skip_nonfinite = cfg.train.on_nan == "skip"
         return engine, fps
 

@@ -226,9 +226,11 @@ def test_trainer_on_cuda_with_nccl(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_compile_per_block_follows_the_eager_curve(tmp_path: Path, pg: None) -> None:
-    """train.compile compiles each transformer block (not the whole model), says how long
-    the first step took, and trains as eager does (fp32: to compile's rounding)."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_compile_follows_the_eager_curve(strategy: str, tmp_path: Path, pg: None) -> None:
+    """train.compile compiles DDP's model whole (dynamo splits it at the buckets) and
+    FSDP's per transformer block, the task's criterion too, says how long the first step
+    took, and trains as eager does (fp32: to compile's rounding)."""
     curves = {}
     for compiled in (False, True):
         cfg = make_config(
@@ -242,15 +244,19 @@ def test_compile_per_block_follows_the_eager_curve(tmp_path: Path, pg: None) -> 
             },
             data={"batch_size": 8},
             precision="32",
+            strategy={"name": strategy},
             train={"compile": compiled, "max_steps": 6, "log_every_n_steps": 1},
         )
         tracker = ListTracker()
         trainer = make_trainer(cfg, 0, 1, LocalReporter(tmp_path / str(compiled)), tracker)
+        per_block = compiled and strategy == "fsdp"
         blocks = trainer.engine.module.blocks  # type: ignore[union-attr]
         assert all(
-            (getattr(b, "_compiled_call_impl", None) is not None) == compiled for b in blocks
+            (getattr(b, "_compiled_call_impl", None) is not None) == per_block for b in blocks
         )
-        assert getattr(trainer.engine.module, "_compiled_call_impl", None) is None
+        whole = isinstance(trainer.engine.model, torch._dynamo.eval_frame.OptimizedModule)
+        assert whole == (compiled and strategy == "ddp")
+        assert hasattr(trainer.task.criterion, "_torchdynamo_orig_callable") == compiled
         trainer.run()
         curves[compiled] = tracker.series("train_loss")
     assert tracker.series("compile_first_step_s")[1] > 0
@@ -275,6 +281,17 @@ def test_the_builtin_blocks_compile_without_a_graph_break(task_name: str, tmp_pa
         x = torch.randn(2, 8, 16, 16)
     explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
+    # The loss from the model's output compiles as one graph too.
+    model = task.build_model()
+    if task_name == "gpt":
+        batch = {"tokens": torch.randint(0, 256, (2, 17))}
+        logits = model(batch["tokens"][:, :-1])
+    else:
+        batch = {"label": torch.tensor([0, 1])}
+        logits = model(torch.randn(2, 3, 16, 16))
+    explained = torch._dynamo.explain(task.criterion)(logits, batch)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
 
 
 class TickingClock:

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
 
 from raylift.loop import seed_everything
@@ -57,14 +56,15 @@ def raylift_counts(tmp: Path, every: int, data: dict[str, Any]) -> tuple[int, in
 
 
 def plain_counts(steps: int, data: dict[str, Any]) -> tuple[int, int]:
-    """A hand-written DDP loop on the same model and batches: autocast, clip,
-    ``zero_grad(set_to_none=True)``, no per-step sync."""
+    """A hand-written single-device loop on the same model and batches (raylift, too,
+    wraps nothing at world size 1): autocast, clip, ``zero_grad(set_to_none=True)``, no
+    per-step sync."""
     cfg = make_config(**GPT)
     task = build_task(cfg.task, cfg.task_args)
     seed_everything(0)
-    model = DistributedDataParallel(task.build_model(), gradient_as_bucket_view=True)
+    model = task.build_model()
     # Decay on matrices only, as nanoGPT and raylift do.
-    opt = torch.optim.AdamW(param_groups(model.module.named_parameters(), 0.01), lr=1e-3)
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), 0.01), lr=1e-3)
     precision = resolve_precision(cfg.precision)
     b = cfg.data.batch_size
 
@@ -95,13 +95,13 @@ def test_launches_and_syncs_per_step_match_a_hand_written_loop(tmp_path: Path) -
         torch.distributed.destroy_process_group()
     ours, theirs = (r20 - r10) / 10, (p20 - p10) / 10
     assert theirs > 50  # the count sees the model's work
-    # Per step: no more than the hand-written loop launches (raylift's DDP writes grads
-    # into the buckets and its data path copies less, so a few fewer).
+    # Per step: no more than the hand-written loop launches.
     assert ours <= theirs + 0.1, (ours, theirs)
     # Per logging interval: a constant (sum and check the kept losses, one collective
     # of times and losses, one of maxima), whatever the interval's length.
     per_interval = (r10 - p10) - 10 * (ours - theirs)
     assert per_interval <= 40, per_interval
+    print(f"launches per step: raylift {ours}, hand-written {theirs}; per interval {per_interval}")
     # Syncs: none per step in either loop; raylift's few are the interval's log.
     assert q10 == q20 == 0
     assert s10 == s20 <= 4

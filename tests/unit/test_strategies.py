@@ -24,8 +24,8 @@ from tests.helpers import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def curve(tmp: Path, strategy: dict, precision: str) -> dict[int, float]:
-    cfg = make_config(**merge(GPT_SMALL, {"strategy": strategy, "precision": precision}))
+def curve(tmp: Path, strategy: dict, precision: str, **more: dict) -> dict[int, float]:
+    cfg = make_config(**merge(GPT_SMALL, {"strategy": strategy, "precision": precision, **more}))
     out = tmp / f"{strategy['name']}-{precision}" / "loss.pt"
     run_ranks(2, tmp, train_and_record, cfg.to_dict(), str(out))
     return torch.load(out, weights_only=True)
@@ -59,6 +59,17 @@ def test_loss_curve_matches_ddp(
     assert ref[30] < 0.8 * ref[1]  # it learned: the comparison is not of two flat lines
     for step in ref:
         assert got[step] == pytest.approx(ref[step], rel=rel), step
+
+
+@pytest.mark.slow
+def test_compiled_ddp_matches_eager_ddp(tmp_path: Path, ddp_curves: dict) -> None:
+    """train.compile under DDP at 2 ranks: the model compiled whole, its graph split at the
+    gradient buckets by dynamo, trains as eager DDP does."""
+    ref = ddp_curves["32"]
+    got = curve(tmp_path, {"name": "ddp"}, "32", train={"compile": True})
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-4), step
 
 
 def test_options_for_another_strategy_are_refused() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -32,6 +33,12 @@ def build_ddp(
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     model = model.to(device=device, dtype=precision.param_dtype)
+    optimizer = build_optimizer(model, cfg.optim)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        # One device: nothing to all-reduce, so no wrapper copying grads into buckets
+        # and launching a collective every step. The checkpoint is the same (DCP
+        # drops DDP's ``module.`` prefix), so a run may resume at any world size.
+        return TorchEngine(model, model, optimizer, precision, device, cfg.train.grad_clip)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -40,7 +47,6 @@ def build_ddp(
         # Local grads are written straight into the bucket views: no extra copy per step.
         gradient_as_bucket_view=True,
     )
-    optimizer = build_optimizer(model, cfg.optim)
     # Evaluate the bare module: DDP's forward would broadcast buffers, a collective
     # that evaluation does not need.
     return TorchEngine(
@@ -62,4 +68,5 @@ SPEC = StrategySpec(
     build=build_ddp,
     read_export=read_dcp_model,
     plan_rows=(PlanRow("ddp", {"name": "ddp"}, Shards(False, False, False), comm_rank=0),),
+    compile_whole=True,
 )

@@ -70,6 +70,10 @@ class StrategySpec:
     extras: tuple[str, ...] = ()  # pip requirements a cluster image may lack (raylift submit)
     # Sharding strategies create the model without parameter storage (raylift.init).
     create: Creator = lambda cfg, precision, device: contextlib.nullcontext()
+    # train.compile compiles the built engine's model whole rather than each block: DDP,
+    # whose graph dynamo splits at the gradient buckets so all-reduces still overlap
+    # backward (and at world size 1 it is the plain model, compiled as by hand).
+    compile_whole: bool = False
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -11,9 +11,12 @@ three places:
 - ``build_model``, ``loss`` and ``eval_sums`` run in the training loop.
 
 Optional methods: ``blocks(model)`` (repeated layers, for activation checkpointing
-and compile), ``flops_per_sample(model)`` (for MFU), ``tokens_per_sample`` (an
-attribute, for ``tokens_per_s``) and ``transform(columns, rng)``: host-side work per
-training batch that cannot be done once offline (random augmentation). It runs in
+and compile), ``criterion(output, batch)`` (the loss from the model's output: where
+``loss`` calls it, ``train.compile`` compiles it as one graph, e.g. an LM head's
+fp32 cast fused into its cross-entropy), ``flops_per_sample(model)`` (for MFU),
+``tokens_per_sample`` (an attribute, for ``tokens_per_s``) and
+``transform(columns, rng)``: host-side work per training batch that cannot be done
+once offline (random augmentation). It runs in
 the loader's prefetch thread on numpy columns; everything that can be done once
 belongs in ``preprocess``.
 """
@@ -89,7 +92,10 @@ class ImageClassifier:
     ``label``: cross-entropy, accuracy. The built-in image tasks share them."""
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return F.cross_entropy(model(batch["image"]).float(), batch["label"])
+        return self.criterion(model(batch["image"]), batch)
+
+    def criterion(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), batch["label"])
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         logits = model(batch["image"]).float()

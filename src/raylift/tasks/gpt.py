@@ -317,9 +317,14 @@ class GPTTask:
         return {"tokens": batch["tokens"].long()}
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        tokens = batch["tokens"]
-        logits = model(tokens[:, :-1]).float()
-        return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        return self.criterion(model(batch["tokens"][:, :-1]), batch)
+
+    def criterion(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Next-token cross-entropy in fp32 of the model's logits (compiled with the blocks)."""
+        vocab = logits.shape[-1]
+        return F.cross_entropy(
+            logits.float().reshape(-1, vocab), batch["tokens"][:, 1:].reshape(-1)
+        )
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
         tokens = batch["tokens"]

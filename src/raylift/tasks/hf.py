@@ -134,9 +134,7 @@ class HFCausalLM(GPTTask):
     # ------------------------------------------------------------ steps
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        tokens = batch["tokens"]
-        logits = model(input_ids=tokens[:, :-1]).logits.float()
-        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+        return self.criterion(model(input_ids=batch["tokens"][:, :-1]).logits, batch)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         if self.tokenizer is None:

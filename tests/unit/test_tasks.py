@@ -136,3 +136,38 @@ def test_jsonl_files_split_by_their_relative_path_when_both_sides_get_some(
     val = {Path(p).name for p in out["val"]}  # type: ignore[union-attr]
     assert val == {n for n in names if zlib.crc32(n.encode()) % 100 < 30} and val
     assert not val & {Path(p).name for p in out["train"]}  # type: ignore[union-attr]
+
+
+def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> None:
+    """An edited, added or removed corpus file or image changes the shards' fingerprint,
+    so a run prepares its data again instead of training on stale shards."""
+    import os
+
+    from raylift.data.shards import fingerprint
+    from tests.corpora import write_image_folder
+    from tests.helpers import make_config
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("one document\n")
+    images = write_image_folder(tmp_path / "shapes", per_class=2, size=16)
+    for task_name, args, root in (
+        ("gpt", {"corpus": str(corpus)}, corpus),
+        ("images", {"root": str(images), "image_size": 16}, images),
+    ):
+        cfg = make_config(task=task_name, task_args=args)
+
+        def current() -> str:
+            return fingerprint(cfg, build_task(cfg.task, cfg.task_args))  # noqa: B023
+
+        first = current()
+        assert current() == first  # nothing changed: the shards are reused
+        victim = sorted(p for p in root.rglob("*") if p.is_file())[0]
+        victim.write_bytes(victim.read_bytes() + b"\n")
+        os.utime(victim, ns=(0, 10**18))  # rewritten: size and mtime
+        edited = current()
+        assert edited != first
+        (
+            victim.parent / "new.txt" if task_name == "gpt" else victim.parent / "new.png"
+        ).write_bytes(victim.read_bytes())
+        assert current() not in (first, edited)

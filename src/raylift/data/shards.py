@@ -105,17 +105,21 @@ class Manifest:
 
 
 def fingerprint(cfg: Config, task: Task) -> str:
-    """Changes whenever the prepared rows could: the task, its args, its code, the format."""
+    """Changes whenever the prepared rows could: the task, its args, its code, the format,
+    and the raw data where the task can say what version of it it reads
+    (``data_version()``: the built-in tasks digest their files' paths, sizes and mtimes)."""
     try:
         code = inspect.getsource(type(task))
     except (OSError, TypeError):  # no source on disk: fall back to the class's name
         code = type(task).__qualname__
+    version = getattr(task, "data_version", None)
     blob = json.dumps(
         {
             "format": FORMAT_VERSION,
             "task": cfg.task,
             "task_args": cfg.task_args,
             "code": code,
+            "data": version() if callable(version) else None,
         },
         sort_keys=True,
         default=str,
@@ -164,8 +168,8 @@ def verify(manifest: Manifest, fp: str | None) -> None:
     root = manifest.root
     if fp is not None and manifest.fingerprint != fp:
         raise ShardError(
-            f"data.shards: {root} was prepared for another task, task_args or task code; "
-            f"run `raylift prep CONFIG --force` to prepare it again"
+            f"data.shards: {root} was prepared for another task, task_args, task code or "
+            "raw data; run `raylift prep CONFIG --force` to prepare it again"
         )
     fs, base = filesystem(root)
     files = [f for fs_ in manifest.splits.values() for f in fs_]
@@ -225,8 +229,8 @@ def prep(
     if existing is not None and not force:
         if existing.fingerprint != fp:
             raise ShardError(
-                f"data.shards: {root} holds shards of another task, task_args or task code; "
-                "rerun with --force to replace them"
+                f"data.shards: {root} holds shards of another task, task_args, task code or "
+                "raw data; rerun with --force to replace them"
             )
         verify(existing, fp)
         return PrepResult(root, existing, True, time.perf_counter() - started)

@@ -11,6 +11,7 @@ Two forms are accepted for each split:
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from typing import TYPE_CHECKING, Any, Union
 
@@ -36,6 +37,15 @@ class SourceError(ValueError):
 def in_val(key: bytes, percent: int) -> bool:
     """The train/val split: val for ``percent`` of keys, by a hash stable across machines."""
     return zlib.crc32(key) % 100 < percent
+
+
+def files_version(infos: list[Any]) -> str:
+    """A digest of files' paths, sizes and modification times (pyarrow ``FileInfo``s):
+    what changes when a file of a corpus or image folder is added, removed or rewritten."""
+    digest = hashlib.sha256()
+    for info in sorted(infos, key=lambda i: i.path):
+        digest.update(f"{info.path}\0{info.size}\0{info.mtime_ns}\n".encode())
+    return digest.hexdigest()
 
 
 def is_dataset(source: object) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import Source, SourceError, in_val
+from raylift.data.sources import Source, SourceError, files_version, in_val
 from raylift.storage import as_uri, filesystem
 from raylift.tasks.base import Batch, Columns
 
@@ -109,6 +110,12 @@ def corpus_files(root: Path) -> list[Path]:
 def list_corpus(spec: str) -> tuple[str, list[str]]:
     """(root, files) for a folder, a glob or one file, local or remote: the files sorted,
     as paths their filesystem opens, and the folder relative paths are taken against."""
+    root, infos = corpus_infos(spec)
+    return root, [i.path for i in infos]
+
+
+def corpus_infos(spec: str) -> tuple[str, list[Any]]:
+    """``list_corpus`` with each file's pyarrow ``FileInfo`` (size, mtime): one listing."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(spec)
@@ -118,20 +125,23 @@ def list_corpus(spec: str) -> tuple[str, list[str]]:
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"task_args.corpus: {spec} does not exist")
     if info.type == pafs.FileType.File:
-        return root.rsplit("/", 1)[0], [root]
+        return root.rsplit("/", 1)[0], [info]
     listed = fs.get_file_info(pafs.FileSelector(root, recursive=True))
-    files = sorted(
-        i.path
-        for i in listed
-        if i.type == pafs.FileType.File and not Path(i.path).name.startswith(".")
+    infos = sorted(
+        (
+            i
+            for i in listed
+            if i.type == pafs.FileType.File and not Path(i.path).name.startswith(".")
+        ),
+        key=lambda i: i.path,
     )
     if wild:
-        files = [f for f in files if fnmatch.fnmatch(f, path)]
-    if not files:
+        infos = [i for i in infos if fnmatch.fnmatch(i.path, path)]
+    if not infos:
         raise SourceError(
             f"task_args.corpus: {spec} holds no files; point it at text, JSONL or parquet files"
         )
-    return root, files
+    return root, infos
 
 
 def _read(path: str) -> bytes:
@@ -224,6 +234,13 @@ class GPTTask:
     def init_weights(self, module: nn.Module) -> None:
         """GPT-2's initial weights, module by module (see raylift.init)."""
         GPT._init(module)
+
+    def data_version(self) -> str:
+        """The corpus files' paths, sizes and mtimes: shards are prepared again after an
+        edit. The stdlib corpus is the running Python's."""
+        if self.corpus == "stdlib":
+            return f"stdlib {sys.version}"
+        return files_version(corpus_infos(self.corpus)[1])
 
     def sources(self) -> dict[str, Source]:
         if self.corpus == "stdlib":

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import ERROR_COLUMN, Source, SourceError, in_val
+from raylift.data.sources import ERROR_COLUMN, Source, SourceError, files_version, in_val
 from raylift.storage import as_uri, filesystem
 from raylift.tasks.base import Batch, Columns, ImageClassifier
 
@@ -178,6 +178,15 @@ class ImagesTask(ImageClassifier):
         if self._classes is None:
             self._classes = class_names(self.root)
         return self._classes
+
+    def data_version(self) -> str:
+        """The image files' paths, sizes and mtimes (one listing of ``root``): shards are
+        prepared again after images are added, removed or replaced."""
+        import pyarrow.fs as pafs
+
+        fs, base = filesystem(self.root)
+        listed = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
+        return files_version([i for i in listed if i.type == pafs.FileType.File])
 
     def build_model(self) -> nn.Module:
         return ResNet(len(self.classes), self.width)

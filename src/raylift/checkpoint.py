@@ -84,16 +84,25 @@ def save_checkpoint(directory: Path, engine: Engine, loop_state: dict[str, Any],
     (directory / _done_file(rank)).write_text(json.dumps(listed, indent=0))
 
 
+DIGEST_WINDOW = 64 << 20  # bytes mapped at a time: the checksum's memory, whatever the file's size
+
+
 def file_digest(path: Path) -> str:
-    """xxh3-64 of a file's bytes, read through a memory map: no copy into Python."""
+    """xxh3-64 of a file's bytes, read through a memory map one window at a time.
+
+    A map has no copy into Python, but its pages count in the process's resident set
+    (and a container's memory limit) until it is unmapped: mapped whole, a rank's largest
+    checkpoint file would add its size to the rank's peak memory."""
     import mmap
 
     import xxhash
 
     digest = xxhash.xxh3_64()
+    size = path.stat().st_size
     with path.open("rb") as f:
-        if path.stat().st_size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+        for offset in range(0, size, DIGEST_WINDOW):
+            length = min(DIGEST_WINDOW, size - offset)
+            with mmap.mmap(f.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as view:
                 digest.update(view)
     return digest.hexdigest()
 

@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
         "from_pretrained folder; needs --config); default: from the --out suffix",
     )
     exp.add_argument("--config", help="--format hf: the run's config (and overrides after it)")
+    exp.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="--format hf: safetensors files of at most this size (e.g. 2GB, 500MB), with an "
+        "index, as save_pretrained writes them (default 5GB)",
+    )
     exp.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     ver = verbs.add_parser("verify", help="check a run's checkpoints (sizes, checksums) offline")
     ver.add_argument("run", help="a run folder: storage/name, e.g. runs/digits-ddp")
@@ -101,7 +107,8 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     if not args.config:
         raise CheckpointError("--format hf: pass the run's config with --config CONFIG")
     cfg = load_config(args.config, args.overrides)
-    return export_hf(Path(args.path), Path(args.out), build_task(cfg.task, cfg.task_args))
+    task = build_task(cfg.task, cfg.task_args)
+    return export_hf(Path(args.path), Path(args.out), task, args.max_shard_size)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

@@ -78,8 +78,11 @@ def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def export_hf(path: Path, out: Path, task: object) -> tuple[Path, int]:
-    """A ``save_pretrained`` folder of an ``hf-causal-lm`` run's weights."""
+def export_hf(
+    path: Path, out: Path, task: object, max_shard_size: str | int = HF_SHARD
+) -> tuple[Path, int]:
+    """A ``save_pretrained`` folder of an ``hf-causal-lm`` run's weights: safetensors of at
+    most ``max_shard_size`` each, with their index where there is more than one."""
     from huggingface_hub import save_torch_state_dict
 
     hf_config = getattr(task, "hf_config", None)
@@ -96,5 +99,5 @@ def export_hf(path: Path, out: Path, task: object) -> tuple[Path, int]:
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     unique = once_each(state)  # tied weights once, as from_pretrained expects
-    save_torch_state_dict(unique, out, max_shard_size=HF_SHARD, metadata={"format": "pt"})
+    save_torch_state_dict(unique, out, max_shard_size=max_shard_size, metadata={"format": "pt"})
     return ckpt, len(unique)

@@ -107,8 +107,19 @@ def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
         torch.testing.assert_close(
             loaded(input_ids=batch).logits, ours(input_ids=batch).logits, rtol=1e-5, atol=1e-5
         )
-    # A second run from the export starts exactly where the first ended.
-    second = {"ddp": merge(hf_config(), {"task_args": {"model": str(out)}})}
+    # Above --max-shard-size the weights are split into files with an index, as
+    # save_pretrained splits a model of many GB; both from_pretrained and model.weights read it.
+    sharded = tmp_path / "hf-sharded"
+    args = ["export", str(tmp_path / "run"), "--format", "hf", "--out", str(sharded)]
+    assert main([*args, "--config", str(yaml_cfg), "--max-shard-size", "100KB"]) == 0
+    files = sorted(sharded.glob("model-*-of-*.safetensors"))
+    assert len(files) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    assert not (sharded / "model.safetensors").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(sharded, local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=batch).logits, loaded(input_ids=batch).logits)
+    # A second run from the sharded export starts exactly where the first ended.
+    second = {"ddp": merge(hf_config(), {"task_args": {"model": str(sharded)}})}
     run_ranks(2, tmp_path, initial_params, second, str(tmp_path / "second.pt"))
     start = torch.load(tmp_path / "second.pt", weights_only=True)["ddp"]["params"]
     for k, v in ours.state_dict().items():

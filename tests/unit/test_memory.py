@@ -25,13 +25,12 @@ def test_sharded_workers_peak_at_their_planned_share() -> None:
     ddp_state = 3 * full
     peaks = {name: max(r["peak"] - r["base"] for r in ranks) for name, ranks in found.items()}
     plan = {n: planned_bytes(config_from_dict(runs[n]))["total"] for n in ("fsdp", "zero3")}
-    assert 0.75 * plan["fsdp"] <= peaks["fsdp"] <= 1.25 * plan["fsdp"], (peaks, plan)
-    # ZeRO-3 over gloo gathers and reduces through more transient copies than the plan's
-    # four blocks (measured 1.3-1.4x at 101M parameters): held to 1.5x here.
-    assert 0.75 * plan["zero3"] <= peaks["zero3"] <= 1.5 * plan["zero3"], (peaks, plan)
+    print({n: f"{peaks[n] / 2**20:.0f} MiB" for n in peaks}, {n: plan[n] / 2**20 for n in plan})
+    for name in ("fsdp", "zero3"):
+        assert 0.75 * plan[name] <= peaks[name] <= 1.25 * plan[name], (name, peaks, plan)
     assert peaks["fsdp"] < ddp_state, (peaks, ddp_state)
     # ZeRO-3's fixed transients weigh more at this size: under DDP's full state from
-    # about 100M parameters (benchmarks/memory.py: 0.92x); here under DDP's own peak.
+    # about 100M parameters (benchmarks/memory.py: 0.79x); here under DDP's own peak.
     assert peaks["zero3"] < peaks["ddp"], peaks
     assert peaks["ddp"] >= full, (peaks["ddp"], full)
     assert peaks["ddp"] > 1.5 * peaks["fsdp"], peaks

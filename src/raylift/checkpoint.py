@@ -107,11 +107,15 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_checkpoint(directory: Path) -> None:
+Verifier = Callable[[Path], None]
+
+
+def verify_checkpoint(directory: Path, share: tuple[int, int] = (0, 1)) -> None:
     """Raise :class:`CheckpointError` unless every rank finished writing ``directory``.
 
-    Pure file checks, the same on every rank, so all ranks reach the same verdict
-    without talking to each other.
+    Pure file checks. Every file's size is checked; its checksum only where it falls in
+    ``share`` (``(index, count)``: every ``count``-th file from the ``index``-th), so the
+    workers of a resume each read a part of the checkpoint (``verify_together``).
     """
     state = read_loop_state(directory)
     world = int(state.get("world_size", 1))
@@ -129,13 +133,40 @@ def verify_checkpoint(directory: Path) -> None:
                 f"checkpoint {directory} is incomplete: rank {rank}'s {done.name} is "
                 f"unreadable ({exc})"
             ) from exc
-        for name, listed in listed_files.items():
-            _verify_file(directory, name, listed, rank)
+        for i, (name, listed) in enumerate(sorted(listed_files.items())):
+            mine = (i + rank) % share[1] == share[0]  # each rank's files spread over readers
+            _verify_file(directory, name, listed, rank, digest=mine)
 
 
-def _verify_file(directory: Path, name: str, listed: Any, rank: int) -> None:
+def verify_together(rank: int, world: int) -> Verifier:
+    """A collective ``verify_checkpoint``: each of ``world`` ranks reads 1/world of the
+    files, and every rank gets the first problem any of them found (the same verdict
+    on all, as a resume needs): N ranks read the checkpoint once between them, not N
+    times."""
+
+    if world == 1:
+        return verify_checkpoint
+
+    def verify(directory: Path) -> None:
+        import torch.distributed as dist
+
+        try:
+            verify_checkpoint(directory, (rank, world))
+            problem = None
+        except CheckpointError as exc:
+            problem = str(exc)
+        found: list[str | None] = [None] * world
+        dist.all_gather_object(found, problem)
+        first = next((p for p in found if p), None)
+        if first:
+            raise CheckpointError(first)
+
+    return verify
+
+
+def _verify_file(directory: Path, name: str, listed: Any, rank: int, digest: bool) -> None:
     """Size first (free), then the checksum; lists from before checksums hold sizes only."""
-    size, digest = (listed, None) if isinstance(listed, int) else (listed["size"], listed["xxh3"])
+    size, xxh3 = (listed, None) if isinstance(listed, int) else (listed["size"], listed["xxh3"])
     path = directory / name
     have = path.stat().st_size if path.is_file() else None
     if have != size:
@@ -143,7 +174,7 @@ def _verify_file(directory: Path, name: str, listed: Any, rank: int) -> None:
             f"checkpoint {directory} is incomplete: {name} has "
             f"{'no file' if have is None else f'{have} bytes'}, rank {rank} wrote {size}"
         )
-    if digest is not None and file_digest(path) != digest:
+    if digest and xxh3 is not None and file_digest(path) != xxh3:
         raise CheckpointError(
             f"checkpoint {directory} is corrupt: {name} does not match the checksum rank "
             f"{rank} recorded when it wrote it (same size, different content)"
@@ -155,14 +186,16 @@ def checkpoint_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def resume_point(latest: Path, log: Callable[[str], None] = print) -> Path:
+def resume_point(
+    latest: Path, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
+) -> Path:
     """``latest`` if it is complete, else the newest complete checkpoint before it.
 
     Ray hands the worker its latest registered checkpoint; one whose write was cut
     off, or that was damaged since, is reported and skipped rather than loaded.
     """
     try:
-        verify_checkpoint(latest)
+        verify(latest)
         return latest
     except CheckpointError as exc:
         log(f"raylift: {exc}; looking for the previous complete checkpoint")
@@ -170,7 +203,7 @@ def resume_point(latest: Path, log: Callable[[str], None] = print) -> Path:
         if checkpoint_step(candidate) >= checkpoint_step(latest):
             continue
         try:
-            verify_checkpoint(candidate)
+            verify(candidate)
         except CheckpointError as exc:
             log(f"raylift: {exc}; skipping it")
             continue
@@ -199,7 +232,9 @@ def verify_run(run_dir: Path) -> list[tuple[Path, str | None]]:
     return out
 
 
-def newest_complete(run_dir: Path, log: Callable[[str], None] = print) -> Path | None:
+def newest_complete(
+    run_dir: Path, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
+) -> Path | None:
     """The newest complete checkpoint in a local run folder, or None if it has none.
 
     Ray registers a checkpoint only after its controller polls the report; a worker
@@ -209,7 +244,7 @@ def newest_complete(run_dir: Path, log: Callable[[str], None] = print) -> Path |
     if not found:
         return None
     try:
-        return resume_point(found[-1], log)
+        return resume_point(found[-1], log, verify)
     except CheckpointError:
         return None
 

@@ -118,15 +118,23 @@ def resume(trainer: Any, cfg: Config) -> None:
     """Restore the checkpoint Ray hands back, or a newer complete one on local storage."""
     import ray.train
 
-    from raylift.checkpoint import checkpoint_dirs, checkpoint_step, newest_complete, resume_point
+    from raylift.checkpoint import (
+        checkpoint_dirs,
+        checkpoint_step,
+        newest_complete,
+        resume_point,
+        verify_together,
+    )
 
     log = trainer.ctx.log
+    # The ranks share the checksum reads; every step below is the same on all of them.
+    verify = verify_together(trainer.ctx.rank, trainer.ctx.world_size)
     checkpoint = ray.train.get_checkpoint()
     # Ray registers a checkpoint only when its controller polls the report: a worker
     # killed in between leaves the newest complete checkpoint on disk only. On local
     # storage it is found there, and preferred when it is newer than Ray's.
     run_dir = Path(storage.resolve(cfg.storage)) / cfg.name
-    on_disk = None if storage.is_remote(cfg.storage) else newest_complete(run_dir, log)
+    on_disk = None if storage.is_remote(cfg.storage) else newest_complete(run_dir, log, verify)
     if checkpoint is not None:
         handed = Path(checkpoint.path)
         if on_disk is not None and checkpoint_step(on_disk) >= checkpoint_step(handed):
@@ -135,7 +143,7 @@ def resume(trainer: Any, cfg: Config) -> None:
             trainer.restore(on_disk)  # verified already: not read twice
             return
         with checkpoint.as_directory() as directory:
-            trainer.restore(resume_point(Path(directory), log))
+            trainer.restore(resume_point(Path(directory), log, verify))
         return
     if on_disk is not None:
         trainer.restore(on_disk)

@@ -163,3 +163,48 @@ def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.Captur
 
     assert cli_main(["verify", str(tmp_path)]) == 2
     assert "no checkpoint-step* folders" in capsys.readouterr().err
+
+
+def verify_share(rank: int, world: int, directory: str, out: str) -> None:
+    """In a pool rank: verify ``directory`` together, counting this rank's checksum reads."""
+    import raylift.checkpoint as ckpt
+
+    digested: list[str] = []
+    real = ckpt.file_digest
+
+    def counting(path: Path) -> str:
+        digested.append(path.name)
+        return real(path)
+
+    ckpt.file_digest = counting  # type: ignore[assignment]
+    try:
+        ckpt.verify_together(rank, world)(Path(directory))
+        problem = None
+    except CheckpointError as exc:
+        problem = str(exc)
+    finally:
+        ckpt.file_digest = real  # type: ignore[assignment]
+    torch.save({"digested": digested, "problem": problem}, f"{out}.{rank}")
+
+
+def test_the_ranks_of_a_resume_share_the_checksum_reads(tmp_path: Path, pg: None) -> None:
+    """Each of 2 ranks reads half of a checkpoint's files, not all of them, and both get
+    the same verdict when the corrupt file is in the other rank's half."""
+    from tests.helpers import run_ranks
+
+    run(tmp_path, train={"max_steps": 5})
+    latest = tmp_path / "checkpoint-step00000005"
+    files = [p for p in latest.rglob("*") if p.is_file() and not p.name.startswith("complete")]
+    out = str(tmp_path / "share")
+    run_ranks(2, tmp_path, verify_share, str(latest), out)
+    found = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    assert [f["problem"] for f in found] == [None, None]
+    digested = [f["digested"] for f in found]
+    assert sorted(digested[0] + digested[1]) == sorted(p.name for p in files)  # each once
+    assert abs(len(digested[0]) - len(digested[1])) <= 1
+    # Corrupt a file rank 1 reads: rank 0 gets the same verdict.
+    victim = next(p for p in files if p.name == digested[1][0])
+    flip_one_block(victim)
+    run_ranks(2, tmp_path, verify_share, str(latest), out)
+    problems = [torch.load(f"{out}.{r}", weights_only=True)["problem"] for r in range(2)]
+    assert problems[0] == problems[1] and victim.name in problems[0] and "corrupt" in problems[0]

@@ -41,6 +41,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(scope="session")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """DDP on 2 gloo ranks, ``GPT_SMALL`` in fp32 and bf16-mixed: the loss curves, model-state
+    bytes and probe logits every other strategy is held to (trained once per session)."""
+    from raylift.config import merge
+    from tests.helpers import GPT_SMALL, make_config, run_ranks, train_runs
+
+    tmp = tmp_path_factory.mktemp("ddp-reference")
+    runs = {
+        p: make_config(**merge(GPT_SMALL, {"strategy": {"name": "ddp"}, "precision": p})).to_dict()
+        for p in ("32", "bf16-mixed")
+    }
+    run_ranks(2, tmp, train_runs, runs, str(tmp / "out.pt"))
+    return torch.load(tmp / "out.pt", weights_only=True)
+
+
+@pytest.fixture(scope="session")
 def ray_jobs(ray_cluster: str) -> str:
     """The Jobs API (dashboard) of the session's Ray, on 127.0.0.1."""
     return SESSION["dashboard"]

@@ -310,3 +310,39 @@ def resume_and_record(rank: int, world: int, cfg_dict: dict, ckpt: str, out: str
     trainer.run()
     if rank == 0:
         torch.save({"params": restored, "loss": tracker.series("train_loss")}, out)
+
+
+def probe_tokens(length: int = 32) -> torch.Tensor:
+    """The same tokens on every rank (block_size 32: 33 make one training window)."""
+    return torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(7))
+
+
+def settle(engine: Any) -> None:
+    """Let gloo finish with ZeRO-3's prefetching all-gathers before the process exits: one
+    left in flight gets dropped by a gloo thread during interpreter shutdown, which aborts."""
+    from raylift.strategies.deepspeed import DeepSpeedEngine
+
+    if isinstance(engine, DeepSpeedEngine) and engine.stage == 3:
+        engine.ds.empty_partition_cache()  # waits for the gathers in flight, frees them
+    dist.barrier()
+
+
+def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
+    """Train each config in turn; rank 0 saves per run: loss curve, bytes, probe outputs."""
+    results: dict[str, dict] = {}
+    for name, raw in runs.items():
+        tracker = ListTracker()
+        reporter = LocalReporter(Path(out).parent / name)  # both ranks merge into one folder
+        trainer = make_trainer(config_from_dict(raw), rank, world, reporter, tracker)
+        trainer.run()
+        with torch.no_grad():
+            logits = trainer.engine.eval_model(probe_tokens()).float()
+        results[name] = {
+            "loss": tracker.series("train_loss"),
+            "bytes": trainer.engine.model_state_bytes(),
+            "logits": logits,
+            "memory": trainer.memory,  # the model-state metrics rank 0 logged
+        }
+        settle(trainer.engine)
+    if rank == 0:
+        torch.save(results, out)

@@ -35,7 +35,7 @@ TRIALS = 6  # the shipped sweep's 8 cost two more trial start-ups and show nothi
 
 
 def test_asha_sweep_of_distributed_trials(ray_cluster: str, in_tmp: Path) -> None:
-    sweep = load_config(SWEEP, [f"tune.num_samples={TRIALS}", "tune.max_concurrent=3"])
+    sweep = load_config(SWEEP, [f"tune.num_samples={TRIALS}", "tune.max_concurrent=2"])
     result = tune_run(sweep)
     assert len(result.rows) == TRIALS and all(r.status == "TERMINATED" for r in result.rows)
     stopped = [r for r in result.rows if r.stopped]

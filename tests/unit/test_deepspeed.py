@@ -28,7 +28,10 @@ from tests.helpers import (
     LocalReporter,
     make_config,
     make_trainer,
+    probe_tokens,
     run_ranks,
+    settle,
+    train_runs,
 )
 
 # Stage 3 keeps parameters under 1e5 elements whole by default, which is every one of
@@ -53,11 +56,6 @@ def cfg_dict(strategy: dict, precision: str = "32", **more: Any) -> dict:
 # ---------------------------------------------------------------- in the ranks
 
 
-def probe_tokens(length: int = 32) -> torch.Tensor:
-    """The same tokens on every rank (block_size 32: 33 make one training window)."""
-    return torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(7))
-
-
 def full_params(engine: Any) -> dict[str, torch.Tensor]:
     """The whole parameters of any engine; collective under ZeRO-3 (gathers them)."""
     if not isinstance(engine, DeepSpeedEngine):
@@ -75,34 +73,6 @@ def optimizer_moments(engine: Any) -> torch.Tensor:
     sq = sum(float(st[k].double().pow(2).sum()) for st in states for k in ("exp_avg", "exp_avg_sq"))
     step = max(float(st["step"]) for st in states)
     return torch.tensor([sq, step], dtype=torch.float64)
-
-
-def settle(engine: Any) -> None:
-    """Let gloo finish with ZeRO-3's prefetching all-gathers before the process exits: one
-    left in flight gets dropped by a gloo thread during interpreter shutdown, which aborts."""
-    if isinstance(engine, DeepSpeedEngine) and engine.stage == 3:
-        engine.ds.empty_partition_cache()  # waits for the gathers in flight, frees them
-    dist.barrier()
-
-
-def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
-    """Train each config in turn; rank 0 saves per run: loss curve, bytes, probe outputs."""
-    results: dict[str, dict] = {}
-    for name, raw in runs.items():
-        tracker = ListTracker()
-        reporter = LocalReporter(Path(out).parent / name)  # both ranks merge into one folder
-        trainer = make_trainer(config_from_dict(raw), rank, world, reporter, tracker)
-        trainer.run()
-        with torch.no_grad():
-            logits = trainer.engine.eval_model(probe_tokens()).float()
-        results[name] = {
-            "loss": tracker.series("train_loss"),
-            "bytes": trainer.engine.model_state_bytes(),
-            "logits": logits,
-        }
-        settle(trainer.engine)
-    if rank == 0:
-        torch.save(results, out)
 
 
 def resume_runs(
@@ -151,14 +121,6 @@ def lr_probe(rank: int, world: int, raw: dict, out: str) -> None:
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def ddp_curves(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("ddp")
-    runs = {p: cfg_dict({"name": "ddp"}, p) for p in PRECISIONS}
-    run_ranks(2, tmp, train_runs, runs, str(tmp / "out.pt"))
-    return torch.load(tmp / "out.pt", weights_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -250,9 +212,9 @@ def test_raylift_imports_without_deepspeed() -> None:
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_loss_curve_matches_ddp(
-    ddp_curves: dict, ds_runs: tuple, stage: str, precision: str
+    ddp_reference: dict, ds_runs: tuple, stage: str, precision: str
 ) -> None:
-    ref = ddp_curves[precision]["loss"]
+    ref = ddp_reference[precision]["loss"]
     got = ds_runs[1][f"{stage}-{precision}"]["loss"]
     assert sorted(got) == sorted(ref) == list(range(1, 31))
     assert ref[30] < 0.8 * ref[1]  # it learned: the comparison is not of two flat lines

@@ -1,6 +1,7 @@
 """Two raylift commands on one host, each starting its own local Ray as a user's would
-(no RAY_ADDRESS), beside the session's Ray: a sweep and the quickstart both finish, the
-quickstart's console holds raylift's lines only, and what its Ray listens on is known."""
+(no RAY_ADDRESS), beside the session's Ray: an ASHA sweep and the quickstart both
+finish, the sweep's trials stop early and land in MLflow, the quickstart's console
+holds raylift's lines only, and what its Ray listens on is known."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import http.client
 import ipaddress
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,9 +99,58 @@ def watch(
     return seen, jobs
 
 
+TRIALS = 6  # the shipped sweep's 8 cost two more trial start-ups and show nothing new
+ASHA = [
+    f"tune.num_samples={TRIALS}",
+    "tune.max_concurrent=3",
+    "train.max_epochs=8",
+    "train.max_steps=null",
+]
+
+
+def trial_table(out: str) -> list[dict[str, str]]:
+    """The trial table ``raylift tune`` prints: id, status, epochs and why it stopped."""
+    rows = []
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and re.fullmatch(r"\w+_\d{5}", cells[0]):
+            rows.append(
+                {"trial": cells[0], "status": cells[1], "epochs": cells[-2], "stopped": cells[-1]}
+            )
+    return rows
+
+
+def check_asha_sweep(tmp: Path, out: str) -> None:
+    """ASHA stopped trials early, every trial has its MLflow child under the sweep's run,
+    and the best trial's config is written for `raylift train`."""
+    from mlflow.tracking import MlflowClient
+
+    from raylift.config import load_config
+
+    rows = trial_table(out)
+    assert len(rows) == TRIALS and all(r["status"] == "TERMINATED" for r in rows), out[-3000:]
+    assert len([r for r in rows if r["stopped"] == "scheduler"]) >= TRIALS // 2, rows
+    assert sum(float(r["epochs"]) for r in rows) <= 0.6 * TRIALS * 8, rows
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'side-sweep.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("raylift").experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == TRIALS
+    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
+    best_id = parent.data.tags["raylift.best_trial"]
+    best_child = next(c for c in children if c.data.tags["raylift.trial_id"] == best_id)
+    assert best_child.data.metrics["val_acc"] >= 0.97
+    found = re.search(r"raylift: best config: (\S+)", out)
+    assert found, out[-2000:]
+    best = load_config(found.group(1))  # what `raylift train` would load
+    assert best.scaling.num_workers == 2 and best.tune is None
+    assert best.optim.lr == pytest.approx(float(parent.data.tags["raylift.best.optim.lr"]))
+
+
 def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:
+    """The sweep is an ASHA sweep of distributed trials (raylift tune's own test too)."""
     sweep = subprocess.Popen(
-        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", "tune.num_samples=1"),
+        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", *ASHA),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
@@ -120,6 +171,7 @@ def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> N
     assert run.returncode == 0, out[-3000:] + err[-3000:]
     assert sweep.returncode == 0, swept[-4000:]
     assert "finished" in out and "raylift: best config:" in swept, swept[-2000:]
+    check_asha_sweep(tmp_path, swept)
     # A fresh local Ray, and not one line from Ray, MLflow or DeepSpeed on the console.
     lines = (out + err).splitlines()
     assert lines and not [line for line in lines if not line.startswith(OURS)], lines

@@ -1,4 +1,5 @@
-"""`raylift tune` on the session's Ray: ASHA sweeps, MLflow parent/children, resume, retries."""
+"""`raylift tune` on the session's Ray: a failed trial restarts from its checkpoint and
+an interrupted sweep resumes (the ASHA sweep runs on its own Ray: test_own_ray)."""
 
 from __future__ import annotations
 
@@ -14,44 +15,14 @@ import pytest
 import yaml
 
 from raylift.config import load_config
-from raylift.tune import tune_run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "configs" / "sweep-digits.yaml"
 
 
-def sweep_runs(tmp: Path, parent_id: str) -> tuple[object, list]:  # type: ignore[type-arg]
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp / 'mlflow.db'}")
-    exp = client.get_experiment_by_name("raylift")
-    runs = client.search_runs([exp.experiment_id])
-    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id]
-    return client.get_run(parent_id), children
-
-
-TRIALS = 6  # the shipped sweep's 8 cost two more trial start-ups and show nothing new
-
-
-def test_asha_sweep_of_distributed_trials(ray_cluster: str, in_tmp: Path) -> None:
-    sweep = load_config(SWEEP, [f"tune.num_samples={TRIALS}", "tune.max_concurrent=2"])
-    result = tune_run(sweep)
-    assert len(result.rows) == TRIALS and all(r.status == "TERMINATED" for r in result.rows)
-    stopped = [r for r in result.rows if r.stopped]
-    assert len(stopped) >= TRIALS // 2, result.rows
-    assert sum(r.epochs for r in result.rows) <= 0.6 * TRIALS * 8, result.rows
-    parent, children = sweep_runs(in_tmp, result.parent_run_id)
-    assert len(children) == TRIALS
-    assert parent.data.tags["raylift.best_trial"] == result.best.trial_id  # type: ignore[union-attr]
-    best_child = next(
-        c for c in children if c.data.tags["raylift.trial_id"] == result.best.trial_id
-    )  # type: ignore[union-attr]
-    assert best_child.data.metrics["val_acc"] >= 0.97
-    assert {c.info.status for c in children} <= {"FINISHED", "KILLED"}
-    best = load_config(result.best_config or "")  # what `raylift train` would load
-    assert best.scaling.num_workers == 2 and best.tune is None
-    assert best.optim.lr == pytest.approx(float(parent.data.tags["raylift.best.optim.lr"]))
+# The ASHA sweep of distributed trials runs on its own Ray beside a training run:
+# tests/integration/test_own_ray.py.
 
 
 FLAKY_SWEEP = [

@@ -16,8 +16,19 @@ from typing import Any
 
 VERBOSE_ENV = "RAYLIFT_VERBOSE"
 
-# Ray's C++ components log as ``[2026-01-01 00:00:00,000 E 123 456] core_worker.cc:12: ...``.
-CPP_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+")
+# What Ray's C++ side writes to the worker, raylet and GCS logs its driver forwards:
+# its own log lines (``[2026-01-01 00:00:00,000 E 123 456] core_worker.cc:12: ...``),
+# abseil's raw lines (``[mutex.cc : 452] RAW: Lock blocking ...``), and the failure
+# signal handler's dump of a C++ stack (``*** SIGSEGV received at ...``, ``PC: @ ...``,
+# ``    @     0x7f543545a050       9104  (unknown)``). A process that dies this way is
+# reported by raylift in its own words; the dump itself stays in Ray's log files.
+CPP_LINE = re.compile(
+    r"^(\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+"
+    r"|\[\S+\.(cc|h) ?: ?\d+\] RAW: "
+    r"|\*\*\* SIG[A-Z]+ received at "
+    r"|PC: @ "
+    r"|\s+@\s+0x[0-9a-f]+\s)"
+)
 
 
 def verbose() -> bool:

@@ -99,6 +99,12 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     if os.environ.get("RAY_ADDRESS"):
+        # This driver reads some of them too (Ray Data's log level, at its import).
+        os.environ.update(env)
+        if ":" in os.environ["RAY_ADDRESS"] and "://" not in os.environ["RAY_ADDRESS"]:
+            # Train's controller finds "the" cluster for its State API calls by this
+            # variable; without it, another Ray on the same host makes that ambiguous.
+            env["RAY_ADDRESS"] = os.environ["RAY_ADDRESS"]
         # Ray ships local modules only at the job level; every task and actor inherits them.
         code = user_code_env(cfg.task)
         try:

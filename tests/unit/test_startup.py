@@ -51,6 +51,15 @@ CPP = (
     "[2026-11-23 20:35:25,436 E 14117 14149] core_worker.cc:2465: Actor with class name: "
     "'PreemptionWatcher' has constructor arguments in the object store"
 )
+# Abseil's raw log and the failure signal handler's stack dump, as a worker under load
+# printed them on a CI run.
+DUMP = [
+    "[mutex.cc : 452] RAW: Lock blocking 0x55569fc163b0   @ 0x7f543462b1a2 0x7f54336fb23c",
+    "*** SIGSEGV received at time=1763900000 on cpu 1 ***",
+    "PC: @     0x7f543462b1a2  (unknown)  absl::Mutex::Lock()",
+    "    @     0x7f543545a050       9104  (unknown)",
+    "    @     0x7f53fc006410  (unknown)  (unknown)",
+]
 
 
 def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
@@ -65,7 +74,7 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
     console.filter_worker_logs()
     ours = "epoch   0  step      0  eval  val_loss 2.3184  val_acc 0.0279"
     dispatcher.emit({"lines": [CPP, ours, "Traceback (most recent call last):"], "pid": 1})
-    dispatcher.emit({"lines": [CPP], "pid": 1})
+    dispatcher.emit({"lines": [CPP, *DUMP], "pid": 1})
     assert printed == [ours, "Traceback (most recent call last):"]
 
 

@@ -86,7 +86,7 @@ def test_truncated_or_missing_files_are_caught_with_the_fix(
     with pytest.raises(ShardError, match=r"truncated.*raylift prep CONFIG --force"):
         open_shards(str(tmp_path / "s"), None)
     files[0].write_bytes(whole)
-    files[1].unlink()
+    files[-1].unlink()
     with pytest.raises(ShardError, match="is missing"):
         open_shards(str(tmp_path / "s"), None)
     # prep --force puts it right

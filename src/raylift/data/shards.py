@@ -15,8 +15,11 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import math
 import time
+import uuid
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +53,7 @@ SHUFFLE_SEED = 0  # the offline shuffle's; each epoch's order comes from train.s
 SHUFFLE_MEMORY_SHARE = 0.3
 SHUFFLE_WINDOW = 16_384  # rows shuffled together when the split is too big for a full shuffle
 PROGRESS_EVERY_S = 10.0
+BYTES_PER_CPU = 64 * 2**20  # raw data per CPU prep uses (all of them past this many)
 
 
 class ShardError(ValueError):
@@ -295,17 +299,51 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
     for split in SPLITS:
-        skipped: Any = ray.remote(Skipped).options(num_cpus=0).remote()
-        ds = _split_dataset(task, sources[split], split, cpus, budget, log)
-        drop: Any = drop_bad_rows
-        ds = ds.map_batches(drop, fn_kwargs={"skipped": skipped}, batch_format="numpy")
-        with Progress(join(root, split), split, estimated_bytes(sources[split]), log):
+        with _cpu_limit(prep_cpus(estimated_bytes(sources[split]), cpus)):
+            bad, examples = _write_split(task, sources[split], split, root, cpus, budget, log)
+        _check_skipped(task, root, split, bad, examples, log)
+    return list(SPLITS)
+
+
+def prep_cpus(size: int | None, cpus: int) -> int:
+    """CPUs worth using for a split of ``size`` bytes: one per ``BYTES_PER_CPU``, all of
+    them when the size is not known. Each CPU costs a worker process that starts and
+    imports the task (seconds): small data is done before more of them would be up."""
+    if size is None:
+        return cpus
+    return max(1, min(cpus, math.ceil(size / BYTES_PER_CPU)))
+
+
+@contextlib.contextmanager
+def _cpu_limit(cpus: int) -> Iterator[None]:
+    """Ray Data's CPU budget for the datasets made inside (they copy it when made)."""
+    import ray.data
+
+    options = ray.data.DataContext.get_current().execution_options
+    before = options.resource_limits
+    options.resource_limits = ray.data.ExecutionResources(cpu=cpus)
+    try:
+        yield
+    finally:
+        options.resource_limits = before
+
+
+def _write_split(
+    task: Task, source: Source, split: str, root: str, cpus: int, budget: float, log: Any
+) -> tuple[int, list[str]]:
+    """Preprocess, shuffle (train) and write one split; the bad rows it dropped."""
+    skipped = f"raylift-prep-skipped-{uuid.uuid4().hex}"
+    ds = _split_dataset(task, source, split, cpus, budget, log)
+    drop: Any = drop_bad_rows
+    ds = ds.map_batches(drop, fn_kwargs={"skipped": skipped}, batch_format="numpy")
+    try:
+        with Progress(join(root, split), split, estimated_bytes(source), log):
             ds.write_parquet(
                 join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
             )
-        bad, examples = ray.get(skipped.summary.remote())
-        _check_skipped(task, root, split, bad, examples, log)
-    return list(SPLITS)
+    finally:
+        counted = Skipped.collect(skipped)
+    return counted
 
 
 def _check_skipped(

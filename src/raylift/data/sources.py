@@ -12,6 +12,7 @@ Two forms are accepted for each split:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import zlib
 from typing import TYPE_CHECKING, Any, Union
 
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 Source = Union[Columns, "ray.data.Dataset"]
 SPLITS = ("train", "val")
-ROWS_PER_BLOCK = 64  # columns are cut into blocks of this many rows for Ray Data
+# Columns are cut into blocks of about this much data for Ray Data (at most 4 per CPU):
+# every block is a task, and a task's worker process costs seconds to start.
+BYTES_PER_BLOCK = 16 * 2**20
 # A column ``preprocess`` may add: "" for a good row, else why the row's raw data could
 # not be used (a corrupt image, say). Prep drops such rows, counts them and names some.
 ERROR_COLUMN = "_error"
@@ -81,16 +84,32 @@ def as_dataset(source: Source, cpus: int) -> ray.data.Dataset:
         return source  # type: ignore[return-value]
     cols: Columns = source  # type: ignore[assignment]
     n = num_rows(cols)
-    blocks = max(1, min(n // ROWS_PER_BLOCK, 4 * cpus))
-    return ray.data.from_items(_rows(cols), override_num_blocks=blocks)
+    size = estimated_bytes(cols) or 0
+    blocks = max(1, min(n, -(-size // BYTES_PER_BLOCK), 4 * cpus))
+    table = _arrow_table(cols)
+    bounds = np.linspace(0, n, blocks + 1).astype(int)
+    parts = [table.slice(a, b - a) for a, b in itertools.pairwise(bounds)]
+    # Column blocks (arrow, tensors for n-d columns), not one Python dict per row.
+    # ``from_blocks`` reads their metadata here; ``from_arrow`` runs a task per block for
+    # it, and the first tasks of a job wait seconds for their worker processes to start.
+    make = getattr(ray.data, "from_blocks", None) or ray.data.from_arrow
+    return make(parts)
 
 
 def num_rows(cols: Columns) -> int:
     return len(next(iter(cols.values())))
 
 
-def _rows(cols: Columns) -> list[dict[str, Any]]:
-    return [{k: v[i] for k, v in cols.items()} for i in range(num_rows(cols))]
+def _arrow_table(cols: Columns) -> Any:
+    import pyarrow as pa
+    from ray.data.extensions import ArrowTensorArray
+
+    arrays = {}
+    for name, column in cols.items():
+        column = np.asarray(column)
+        multi = column.ndim > 1
+        arrays[name] = ArrowTensorArray.from_numpy(column) if multi else pa.array(column)
+    return pa.table(arrays)
 
 
 def estimated_bytes(source: Source) -> int | None:
@@ -114,7 +133,8 @@ def sample(source: Source, n: int) -> Columns:
 
 
 class Skipped:
-    """Rows ``preprocess`` marked bad, counted across the cluster (a Ray actor)."""
+    """Rows ``preprocess`` marked bad, counted across the cluster: a Ray actor made by the
+    first task that finds one, so a split with none starts no process for it."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -127,9 +147,34 @@ class Skipped:
     def summary(self) -> tuple[int, list[str]]:
         return self.count, self.examples
 
+    @staticmethod
+    def actor(name: str) -> Any:
+        import ray
 
-def drop_bad_rows(batch: Columns, skipped: Any) -> Columns:
-    """``batch`` without the rows its ``ERROR_COLUMN`` marks, which go to ``skipped``."""
+        # Detached: it outlives the task that made it; the driver ends it (``collect``).
+        options = {"name": name, "get_if_exists": True, "lifetime": "detached", "num_cpus": 0}
+        return ray.remote(Skipped).options(**options).remote()
+
+    @staticmethod
+    def collect(name: str) -> tuple[int, list[str]]:
+        """What the tasks counted under ``name`` (nothing if no task found a bad row)."""
+        import ray
+
+        try:
+            actor = ray.get_actor(name)
+        except ValueError:
+            return 0, []
+        try:
+            ref: Any = actor.summary.remote()
+            summary: tuple[int, list[str]] = ray.get(ref)
+        finally:
+            ray.kill(actor)
+        return summary
+
+
+def drop_bad_rows(batch: Columns, skipped: str) -> Columns:
+    """``batch`` without the rows its ``ERROR_COLUMN`` marks, which are counted under the
+    name ``skipped``."""
     if ERROR_COLUMN not in batch:
         return batch
     import ray
@@ -137,5 +182,5 @@ def drop_bad_rows(batch: Columns, skipped: Any) -> Columns:
     errors = np.asarray(batch[ERROR_COLUMN]).astype(str)
     bad = errors != ""
     if bad.any():  # rare: waiting for the count to land keeps it exact
-        ray.get(skipped.add.remote(list(errors[bad])))
+        ray.get(Skipped.actor(skipped).add.remote(list(errors[bad])))
     return {k: v[~bad] for k, v in batch.items() if k != ERROR_COLUMN}

@@ -29,7 +29,7 @@ from raylift.tasks.digits import DigitsTask
 Columns = dict[str, np.ndarray]
 
 REPO = Path(__file__).resolve().parents[1]
-EPOCHS = 30
+EPOCHS = 15
 HOLD_S = 0.05  # per batch while held: sets a floor on the run's length, not a duration
 
 

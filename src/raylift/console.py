@@ -44,9 +44,16 @@ def quiet_env() -> dict[str, str]:
 
 def quiet_driver() -> None:
     """Before this process imports Ray: raylift's worker lines print without Ray's
-    ``(RayTrainWorker pid=...)`` prefix, as the lines of the command they are."""
+    ``(RayTrainWorker pid=...)`` prefix, as the lines of the command they are, and a
+    sweep prints raylift's trial table, not Ray Tune's (its newer console prints a
+    configuration box and a TensorBoard hint whatever ``verbose`` says; the older one
+    honours ``verbose=0``)."""
     if not verbose():
         os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+        # Ray folds lines that several workers print alike (each trial's "raylift: strategy
+        # ddp") into one, prefixed with the first worker's name: each line is kept, as is.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 
 def ray_logging_level() -> int:

@@ -176,6 +176,8 @@ def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> N
     assert sweep.returncode == 0, swept[-4000:]
     assert "finished" in out and "raylift: best config:" in swept, swept[-2000:]
     check_asha_sweep(tmp_path, swept)
+    # The sweep's console: raylift's trial table, not Ray Tune's boxes or Ray's prefixes.
+    assert "Configuration for experiment" not in swept and " pid=" not in swept, swept[-3000:]
     # A fresh local Ray, and not one line from Ray, MLflow or DeepSpeed on the console.
     lines = (out + err).splitlines()
     assert lines and not [line for line in lines if not line.startswith(OURS)], lines

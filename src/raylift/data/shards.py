@@ -15,11 +15,9 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import math
 import time
 import uuid
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +51,6 @@ SHUFFLE_SEED = 0  # the offline shuffle's; each epoch's order comes from train.s
 SHUFFLE_MEMORY_SHARE = 0.3
 SHUFFLE_WINDOW = 16_384  # rows shuffled together when the split is too big for a full shuffle
 PROGRESS_EVERY_S = 10.0
-BYTES_PER_CPU = 64 * 2**20  # raw data per CPU prep uses (all of them past this many)
 
 
 class ShardError(ValueError):
@@ -299,33 +296,9 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
     for split in SPLITS:
-        with _cpu_limit(prep_cpus(estimated_bytes(sources[split]), cpus)):
-            bad, examples = _write_split(task, sources[split], split, root, cpus, budget, log)
+        bad, examples = _write_split(task, sources[split], split, root, cpus, budget, log)
         _check_skipped(task, root, split, bad, examples, log)
     return list(SPLITS)
-
-
-def prep_cpus(size: int | None, cpus: int) -> int:
-    """CPUs worth using for a split of ``size`` bytes: one per ``BYTES_PER_CPU``, all of
-    them when the size is not known. Each CPU costs a worker process that starts and
-    imports the task (seconds): small data is done before more of them would be up."""
-    if size is None:
-        return cpus
-    return max(1, min(cpus, math.ceil(size / BYTES_PER_CPU)))
-
-
-@contextlib.contextmanager
-def _cpu_limit(cpus: int) -> Iterator[None]:
-    """Ray Data's CPU budget for the datasets made inside (they copy it when made)."""
-    import ray.data
-
-    options = ray.data.DataContext.get_current().execution_options
-    before = options.resource_limits
-    options.resource_limits = ray.data.ExecutionResources(cpu=cpus)
-    try:
-        yield
-    finally:
-        options.resource_limits = before
 
 
 def _write_split(

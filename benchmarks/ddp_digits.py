@@ -5,6 +5,8 @@
 The quickstart's job written by hand: the digits CNN, uint8 images normalised in the
 step, DDP over gloo, bf16 autocast, AdamW with clipping, batch 32 per worker. It
 prints the wall clock (``time.time()``) at its first optimizer step and at its end.
+``train`` is the job itself, once a process group is up: ``ray_train_digits.py`` runs
+the same function under a bare Ray Train ``TorchTrainer``.
 """
 
 from __future__ import annotations
@@ -29,9 +31,15 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="one GPU per process, NCCL")
     args = parser.parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
+    train(args.steps, args.batch_size, args.cuda)
+    dist.destroy_process_group()
+
+
+def train(steps: int, batch_size: int, cuda: bool) -> None:
+    """The job on this rank of an initialised process group."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if args.cuda else "cpu")
-    if args.cuda:
+    device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if cuda else "cpu")
+    if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from sklearn.datasets import load_digits
@@ -43,8 +51,8 @@ def main() -> None:
     model = DistributedDataParallel(DigitsNet(32, 0.1).to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator(device).manual_seed(rank)
-    b = args.batch_size
-    for step in range(args.steps):
+    b = batch_size
+    for step in range(steps):
         idx = torch.randint(len(labels), (b,), generator=gen, device=device)
         x = images[idx].float().div_(255).sub_(0.3045).div_(0.3760).unsqueeze(1)
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -59,7 +67,6 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         print(f"finished_at {time.time():.3f} loss {loss.item():.4f}", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ worker, bf16 autocast, AdamW) for ``--steps`` steps, run three ways, interleaved
 - raylift, fresh: ``raylift train configs/quickstart.yaml`` with the shards prepared
   beforehand (``raylift prep``, not timed); it starts its own local Ray;
 - raylift, joining a running Ray: the same with ``RAY_ADDRESS`` set to a Ray head this
-  script started beforehand, as on a cluster.
+  script started beforehand, as on a cluster;
+- Ray Train alone, fresh and joining: the torchrun script's job under a bare
+  ``TorchTrainer`` (``ray_train_digits.py``): what any Ray Train job pays, the floor
+  under raylift's own start-up.
 
 raylift's first step is the timestamp of the metric rank 0 logs to MLflow right after
 it (``model_state_bytes_per_rank``). raylift also evaluates at step 0 and at each epoch
@@ -43,24 +46,26 @@ RAYLIFT = [sys.executable, "-m", "raylift.cli"]
 
 
 def run_torchrun(steps: int, port: int, gpu: bool) -> tuple[float, float]:
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
+    return run_script([*torchrun, str(REPO / "benchmarks" / "ddp_digits.py")], steps, gpu)
+
+
+def run_bare(steps: int, gpu: bool, env: dict[str, str]) -> tuple[float, float]:
+    """The same job under a bare Ray Train ``TorchTrainer`` (joins ``env``'s RAY_ADDRESS)."""
+    return run_script([str(REPO / "benchmarks" / "ray_train_digits.py")], steps, gpu, env)
+
+
+def run_script(
+    args: list[str], steps: int, gpu: bool, env: dict[str, str] | None = None
+) -> tuple[float, float]:
+    """(to first step, to exit) in seconds of a script that prints ``first_step_at``."""
     started = time.time()
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(port),
-            str(REPO / "benchmarks" / "ddp_digits.py"),
-            "--steps",
-            str(steps),
-            *(["--cuda"] if gpu else []),
-        ],
+        [sys.executable, *args, "--steps", str(steps), *(["--cuda"] if gpu else [])],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     ).stdout
     ended = time.time()
     first = float(re.search(r"first_step_at (\S+)", out).group(1))  # type: ignore[union-attr]
@@ -152,11 +157,13 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="rl-launch-", dir="/tmp"))  # short: Ray's sockets
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     prep_shards(home, env)
-    times: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raylift": []}
+    bare = "Ray Train alone"
+    times: dict[str, list[tuple[float, float]]] = {"torchrun": [], "raylift": [], bare: []}
     for r in range(opts.repeats):
         times["torchrun"].append(run_torchrun(opts.steps, 29600 + r, opts.gpu))
         fresh = run_raylift(home, opts.steps, f"fresh{r}", env, opts.gpu, "raylift")
         times["raylift"].append(fresh)
+        times[bare].append(run_bare(opts.steps, opts.gpu, env))
         print(
             f"repeat {r}: "
             + "  ".join(f"{k} {v[-1][0]:.1f}/{v[-1][1]:.1f} s" for k, v in times.items()),
@@ -165,10 +172,12 @@ def main() -> None:
     address, ray = start_head(home)
     joined = {**env, "RAY_ADDRESS": address, "RAY_AUTH_MODE": "token"}
     try:
-        times["raylift on a running Ray"] = [
-            run_raylift(home, opts.steps, f"joined{r}", joined, opts.gpu, "joined")
-            for r in range(opts.repeats)
-        ]
+        ours, theirs = "raylift on a running Ray", f"{bare} on a running Ray"
+        times[ours], times[theirs] = [], []
+        for r in range(opts.repeats):
+            run = run_raylift(home, opts.steps, f"joined{r}", joined, opts.gpu, "joined")
+            times[ours].append(run)
+            times[theirs].append(run_bare(opts.steps, opts.gpu, joined))
     finally:
         ray.shutdown()  # type: ignore[attr-defined]
         shutil.rmtree(home, ignore_errors=True)
@@ -179,14 +188,20 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
     base_first = statistics.median(t[0] for t in times["torchrun"])
     base_end = statistics.median(t[1] for t in times["torchrun"])
     print(f"\n{describe()}; {opts.steps} steps, 2 workers, median of {opts.repeats}")
-    print(f"{'launcher':<26}{'to first step':>15}{'ratio':>8}{'to exit':>11}{'ratio':>8}")
+    print(f"{'launcher':<34}{'to first step':>15}{'ratio':>8}{'to exit':>11}{'ratio':>8}")
     for name, runs in times.items():
         first = statistics.median(t[0] for t in runs)
         end = statistics.median(t[1] for t in runs)
         print(
-            f"{name:<26}{first:>13.1f} s{first / base_first:>7.2f}x"
+            f"{name:<34}{first:>13.1f} s{first / base_first:>7.2f}x"
             f"{end:>9.1f} s{end / base_end:>7.2f}x"
         )
+    pairs = {"fresh": ("raylift", "Ray Train alone")}
+    pairs["joined"] = ("raylift on a running Ray", "Ray Train alone on a running Ray")
+    for what, (ours, theirs) in pairs.items():
+        if ours in times and theirs in times:
+            a, b = (statistics.median(t[0] for t in times[k]) for k in (ours, theirs))
+            print(f"raylift / Ray Train alone, {what}: to first step {a / b:.2f}x ({a - b:+.1f} s)")
     print("\nraylift's start-up phases (startup/* metrics of each run), median seconds")
     runs = {"fresh Ray": BREAKDOWN.get("raylift", []), "running Ray": BREAKDOWN.get("joined", [])}
     print(f"{'phase':<48}" + "".join(f"{k:>13}" for k in runs))

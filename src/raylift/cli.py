@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raylift import console
-from raylift.config import ConfigError, load_config
+from raylift.config import ConfigError, EnvironmentProblem, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -321,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return COMMANDS[args.verb](args)
-    except ConfigError as exc:
+    except (ConfigError, EnvironmentProblem) as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

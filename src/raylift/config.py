@@ -33,6 +33,11 @@ class ConfigError(ValueError):
         super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
 
 
+class EnvironmentProblem(ValueError):
+    """A setting outside the config (an environment variable) that cannot work; the
+    message names it and the fix."""
+
+
 @dataclasses.dataclass
 class DataConfig:
     batch_size: int = 64

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift import console, runlock, storage, tracking
-from raylift.config import AUTO, Config, ConfigError
+from raylift.config import AUTO, Config, ConfigError, EnvironmentProblem
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
@@ -99,6 +99,7 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     if os.environ.get("RAY_ADDRESS"):
+        check_token(os.environ["RAY_ADDRESS"])
         # This driver reads some of them too (Ray Data's log level, at its import).
         os.environ.update(env)
         if ":" in os.environ["RAY_ADDRESS"] and "://" not in os.environ["RAY_ADDRESS"]:
@@ -137,6 +138,35 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         log_to_driver=True,
     )
     console.filter_worker_logs()
+
+
+def check_token(address: str) -> None:
+    """EnvironmentProblem with the fix, at once, when the Ray at ``address`` wants a token
+    that this process will not send: ``ray.init`` would retry for 20 s, then print a
+    traceback.
+
+    Ray sends its token only to a cluster it found itself (``auto``) or when
+    ``RAY_AUTH_MODE=token``; ``ray start`` turns token auth on by default.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" or address == "auto":
+        return
+    if "://" in address:  # Ray Client or the Jobs API: their own checks apply
+        return
+    import ray.exceptions
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+
+    try:
+        GcsClient(address=address)
+    except ray.exceptions.AuthenticationError as exc:
+        raise EnvironmentProblem(
+            f"RAY_ADDRESS={address}: that Ray cluster requires token authentication "
+            "(`ray start` turns it on) and this shell sends no token. Set "
+            "RAY_AUTH_MODE=token; the token is read from RAY_AUTH_TOKEN or "
+            "~/.ray/auth_token (where `ray start` wrote it on its host). For a Ray "
+            "started on this machine, RAY_ADDRESS=auto finds both"
+        ) from exc
+    except Exception:  # unreachable, say: ray.init says so in its own words
+        return
 
 
 def own_cluster_env() -> dict[str, str]:

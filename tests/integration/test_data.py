@@ -104,6 +104,26 @@ def test_train_refuses_a_missing_shard_folder_before_any_worker_starts(
     assert not (in_tmp / "runs" / "noshards").exists()  # nothing was started or written
 
 
+def test_joining_a_token_cluster_without_the_token_stops_at_once_with_the_fix(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """The session's Ray wants Ray's token, as a `ray start` head does; a shell that
+    names its address without RAY_AUTH_MODE=token gets the fix, not 20 s of retries."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["RAY_ADDRESS"] = ray_cluster  # host:port, as `ray start` prints it
+    args = ["prep", str(QUICKSTART), f"data.shards={tmp_path / 'shards'}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylift.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"RAY_ADDRESS={ray_cluster}" in proc.stderr and "RAY_AUTH_MODE=token" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "shards").exists()
+
+
 def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
     digits_shards: Path, in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -240,8 +260,28 @@ def test_a_read_parquet_source_preps_the_same_rows_as_in_memory_columns(
         assert shard_rows(out, split) == shard_rows(digits_shards, split), split
 
 
-def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
+def test_prep_streams_a_split_whose_reader_shuffles_its_files(
     ray_cluster: str, tmp_path: Path
+) -> None:
+    """Only a source whose every reader shuffles its files skips the block shuffle,
+    which reads the split whole before the first row is written."""
+    import ray.data
+
+    from raylift.data.sources import reads_shuffled_files, shuffled_files
+    from tests.corpora import write_jsonl
+
+    files = [str(p) for p in sorted(write_jsonl(tmp_path / "c", 12).glob("*.jsonl"))]
+    shuffled = ray.data.read_json(files, shuffle=shuffled_files())
+    plain = ray.data.read_json(files)
+    assert reads_shuffled_files(shuffled)
+    assert reads_shuffled_files(shuffled.map_batches(lambda b: b))
+    assert not reads_shuffled_files(plain)
+    assert not reads_shuffled_files(shuffled.union(plain))
+    assert not reads_shuffled_files(ray.data.from_items([{"a": 1}]))
+
+
+def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
+    ray_cluster: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from raylift.tasks.gpt import SEP
     from tests.corpora import documents, write_jsonl
@@ -253,6 +293,7 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
         "val_percent: 20}",
     ]
     assert cli_main(["prep", str(GPT_TINY), *args]) == 0
+    assert "by file (its reader shuffles the files)" in capsys.readouterr().out  # streamed
     manifest = open_shards(str(tmp_path / "shards"), None)
     store = ParquetStore(manifest)
     text = SEP.join(d.encode() for d in documents(120))
@@ -268,6 +309,8 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
     "task_args, named",
     [
         ("{corpus: '%s/corpus', text_field: text}", "task_args.text_field"),  # rows have 'body'
+        ("{corpus: '%s/table', text_field: text}", "task_args.text_field"),  # parquet, 'body'
+        ("{corpus: '%s/garbled'}", "first line is not JSON"),
         ("{corpus: '%s/nowhere'}", "does not exist"),
         ("{corpus: '%s/empty'}", "holds no files"),
         ("{corpus: '%s/mixed'}", "mixes text files with JSONL"),
@@ -277,12 +320,19 @@ def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
     ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str], task_args: str, named: str
 ) -> None:
     tmp_path = in_tmp
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from tests.corpora import write_jsonl
 
     write_jsonl(tmp_path / "corpus", 12, field="body")
     (tmp_path / "empty").mkdir()
     write_jsonl(tmp_path / "mixed", 6)
     (tmp_path / "mixed" / "notes.txt").write_text("plain text")
+    (tmp_path / "table").mkdir()
+    pq.write_table(pa.table({"body": ["a document"] * 3}), tmp_path / "table" / "a.parquet")
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "a.jsonl").write_text("text, not JSON\n")
     args = [f"storage={tmp_path / 'runs'}", f"task_args={task_args % tmp_path}"]
     assert cli_main(["train", str(GPT_TINY), *args]) == 2
     err = capsys.readouterr().err

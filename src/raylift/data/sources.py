@@ -31,6 +31,7 @@ BYTES_PER_BLOCK = 16 * 2**20
 # A column ``preprocess`` may add: "" for a good row, else why the row's raw data could
 # not be used (a corrupt image, say). Prep drops such rows, counts them and names some.
 ERROR_COLUMN = "_error"
+FILE_SHUFFLE_SEED = 0
 
 
 class SourceError(ValueError):
@@ -76,7 +77,7 @@ def check_sources(sources: dict[str, Any]) -> None:
             raise SourceError(f"task: sources()[{split!r}] columns differ in length: {lengths}")
 
 
-def as_dataset(source: Source, cpus: int) -> ray.data.Dataset:
+def as_dataset(source: Source, cpus: int, batch: int = 64) -> ray.data.Dataset:
     """``source`` as a Dataset; columns are cut into blocks of whole rows."""
     import ray.data
 
@@ -85,7 +86,10 @@ def as_dataset(source: Source, cpus: int) -> ray.data.Dataset:
     cols: Columns = source  # type: ignore[assignment]
     n = num_rows(cols)
     size = estimated_bytes(cols) or 0
-    blocks = max(1, min(n, -(-size // BYTES_PER_BLOCK), 4 * cpus))
+    # Blocks by bytes, and at least one per 16 ``preprocess`` batches: rows that are
+    # paths to files weigh little and cost much, and every CPU should get some.
+    wanted = max(-(-size // BYTES_PER_BLOCK), -(-n // (16 * batch)))
+    blocks = max(1, min(n, wanted, 4 * cpus))
     table = _arrow_table(cols)
     bounds = np.linspace(0, n, blocks + 1).astype(int)
     parts = [table.slice(a, b - a) for a, b in itertools.pairwise(bounds)]
@@ -98,6 +102,24 @@ def as_dataset(source: Source, cpus: int) -> ray.data.Dataset:
 
 def num_rows(cols: Columns) -> int:
     return len(next(iter(cols.values())))
+
+
+def permuted(cols: Columns, seed: int) -> Columns:
+    """In-memory rows in a random order: a full shuffle without Ray's all-to-all."""
+    order = np.random.default_rng(seed).permutation(num_rows(cols))
+    return {k: np.asarray(v)[order] for k, v in cols.items()}
+
+
+def read_bytes(path: str) -> bytes:
+    """A whole file, local or in an object store (``s3://``, ``gs://``)."""
+    if "://" not in path:
+        with open(path, "rb") as f:
+            return f.read()
+    from raylift.storage import filesystem
+
+    fs, where = filesystem(path)
+    with fs.open_input_stream(where) as stream:
+        return bytes(stream.read())
 
 
 def _arrow_table(cols: Columns) -> Any:
@@ -123,6 +145,34 @@ def estimated_bytes(source: Source) -> int | None:
     except Exception:
         return None
     return int(size) if size is not None else None
+
+
+def shuffled_files() -> Any:
+    """The ``shuffle`` argument of Ray Data's file readers for a split prep should mix:
+    files in a random order, the same on every run. Prep then streams the split instead
+    of holding it whole to randomize its blocks (``reads_shuffled_files``)."""
+    import ray.data
+
+    return ray.data.FileShuffleConfig(seed=FILE_SHUFFLE_SEED, reseed_after_execution=False)
+
+
+def reads_shuffled_files(ds: Any) -> bool:
+    """True when every reader under ``ds`` reads its files in a shuffled order (``shuffle=
+    "files"`` or a ``FileShuffleConfig``). Not a public API: unknown means False."""
+    try:
+        stack, reads = [ds._logical_plan.dag], []
+        while stack:
+            op = stack.pop()
+            stack += op.input_dependencies
+            if hasattr(op, "shuffle_config_factory"):  # Ray Data's listing-based readers
+                reads.append(op.shuffle_config_factory() is not None)
+            elif hasattr(op, "datasource"):
+                reads.append(getattr(op.datasource, "_shuffle", None) is not None)
+            elif not op.input_dependencies:  # in-memory blocks, or a reader of another kind
+                reads.append(False)
+        return bool(reads) and all(reads)
+    except Exception:
+        return False
 
 
 def sample(source: Source, n: int) -> Columns:
@@ -172,15 +222,19 @@ class Skipped:
         return summary
 
 
-def drop_bad_rows(batch: Columns, skipped: str) -> Columns:
-    """``batch`` without the rows its ``ERROR_COLUMN`` marks, which are counted under the
-    name ``skipped``."""
-    if ERROR_COLUMN not in batch:
+def drop_bad_rows(batch: Any, skipped: str) -> Any:
+    """An Arrow batch without the rows its ``ERROR_COLUMN`` marks, which are counted under
+    the name ``skipped``. Arrow in and out: a batch without the column passes untouched."""
+    if ERROR_COLUMN not in batch.column_names:
         return batch
+    import pyarrow.compute as pc
     import ray
 
-    errors = np.asarray(batch[ERROR_COLUMN]).astype(str)
-    bad = errors != ""
-    if bad.any():  # rare: waiting for the count to land keeps it exact
-        ray.get(Skipped.actor(skipped).add.remote(list(errors[bad])))
-    return {k: v[~bad] for k, v in batch.items() if k != ERROR_COLUMN}
+    errors = batch.column(ERROR_COLUMN)
+    bad = pc.not_equal(errors, "")
+    batch = batch.drop_columns([ERROR_COLUMN])
+    if not pc.any(bad).as_py():
+        return batch  # the usual case: no copy
+    # Rare: waiting for the count to land keeps it exact.
+    ray.get(Skipped.actor(skipped).add.remote(errors.filter(bad).to_pylist()))
+    return batch.filter(pc.invert(bad))

@@ -14,7 +14,8 @@ Optional methods: ``blocks(model)`` (repeated layers, for activation checkpointi
 and compile), ``criterion(output, batch)`` (the loss from the model's output: where
 ``loss`` calls it, ``train.compile`` compiles it as one graph, e.g. an LM head's
 fp32 cast fused into its cross-entropy), ``flops_per_sample(model)`` (for MFU),
-``tokens_per_sample`` (an attribute, for ``tokens_per_s``), ``data_version()`` (a
+``tokens_per_sample`` (an attribute, for ``tokens_per_s``), ``preprocess_batch_size``
+(an attribute: rows per ``preprocess`` call, 64 unless set), ``data_version()`` (a
 string that changes when the raw data does: part of the shards' fingerprint) and
 ``transform(columns, rng)``: host-side work per training batch that cannot be done
 once offline (random augmentation). It runs in the loader's prefetch thread on numpy

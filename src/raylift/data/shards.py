@@ -349,7 +349,9 @@ def _write_split(
     drop: Any = drop_bad_rows
     ds = ds.map_batches(drop, fn_kwargs={"skipped": skipped}, batch_format="pyarrow")
     try:
-        with Progress(join(root, split), split, estimated_bytes(source), log):
+        # An ETA only from files' sizes: in-memory columns may be paths to the data.
+        expected = None if isinstance(source, dict) else estimated_bytes(source)
+        with Progress(join(root, split), split, expected, log):
             ds.write_parquet(
                 join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
             )
@@ -492,7 +494,7 @@ class Progress:
             secs = time.perf_counter() - self.started
             rate = size / max(secs, 1e-9)
             eta = ""
-            if self.expected and rate > 0 and size < self.expected:
+            if self.expected and size >= 2**20 and size < self.expected:  # a rate to go by
                 eta = f", about {(self.expected - size) / rate:,.0f} s left"
             self.log(
                 f"raylift: prep split {self.split!r}: {size / 2**20:,.1f} MiB in {files} "

@@ -14,7 +14,9 @@ serves the whole script. Per repeat, interleaved:
 - hand-written: a ``multiprocessing.Pool`` with one process per core, each taking whole
   JSONL files (packing the same ``block_size + 1`` windows with the same separator) or
   chunks of image paths (the images task's own decode and resize), and writing parquet
-  with the same row groups (no shuffle: it does less than prep).
+  with the same row groups (no shuffle: it does less than prep);
+- Ray Data alone: the Pool's work as a plain Ray Data pipeline (``ray_data_prep.py``),
+  joined to the same Ray: what Ray Data itself pays on this machine.
 
 Prints MB/s (of JSONL read), rows/s (windows written) and peak driver RSS per size, the
 RSS ratio between the sizes (goal: within 1.2x) and raylift / hand-written throughput
@@ -190,22 +192,38 @@ def main() -> None:
             print(f"{kind}: driver peak RSS, largest / smallest size {hi / lo:.2f}x (goal <= 1.2x)")
 
 
+def ray_data_prep(data: Path, out: Path) -> float:
+    """Seconds of ``ray_data_prep.py``: the Pool's work in plain Ray Data, joined to this
+    script's Ray like ``raylift prep``."""
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.perf_counter()
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ray_data_prep.py"), str(data), str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return time.perf_counter() - started
+
+
 def measure(label: str, data: Path, work: Path, repeats: int) -> int:
-    """Times both preps on ``data``; prints a line; returns raylift's peak driver RSS."""
+    """Times the three preps on ``data``; prints a line; returns raylift's peak driver RSS."""
     size = sum(p.stat().st_size for p in data.rglob("*") if p.is_file())
-    ours, theirs, rss = [], [], []
+    ours, theirs, plain, rss = [], [], [], []
     for _ in range(repeats):
         secs, rows, peak = raylift_prep(data, work / "shards")
         ours.append(secs)
         rss.append(peak)
         base_secs, base_rows = pool_prep(data, work / "pool")
         theirs.append(base_secs)
-    t, b = statistics.median(ours), statistics.median(theirs)
+        plain.append(ray_data_prep(data, work / "ray-data"))
+    t, b, r = statistics.median(ours), statistics.median(theirs), statistics.median(plain)
+    mib = size / 2**20
     print(
-        f"{label:>16}  raylift prep {t:6.1f} s  {size / 2**20 / t:6.1f} MiB/s  "
+        f"{label:>16}  raylift prep {t:6.1f} s  {mib / t:6.1f} MiB/s  "
         f"{rows / t:>9,.0f} rows/s  driver peak RSS {max(rss) / 2**20:,.0f} MiB | Pool "
-        f"{b:6.1f} s  {size / 2**20 / b:6.1f} MiB/s  {base_rows / b:>9,.0f} rows/s | "
-        f"raylift/Pool throughput {b / t:.2f}x",
+        f"{b:6.1f} s  {mib / b:6.1f} MiB/s  {base_rows / b:>9,.0f} rows/s | Ray Data alone "
+        f"{r:6.1f} s  {mib / r:6.1f} MiB/s | throughput against the Pool: raylift "
+        f"{b / t:.2f}x, Ray Data alone {b / r:.2f}x",
         flush=True,
     )
     return max(rss)

@@ -106,3 +106,23 @@ def test_bad_task_args_are_config_problems() -> None:
 
     assert "task_args.root" in task_problems("images", {})[0]
     assert "val_percent" in task_problems("images", {"root": "x", "val_percent": 0})[0]
+
+
+def test_prep_lists_the_folder_once_and_ships_no_listing_to_the_tasks(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards' version and the sources share one listing (a million-file bucket
+    answers a thousand entries a request); preprocess then carries none of it."""
+    import pickle
+
+    import raylift.tasks.images as images
+
+    calls = []
+    real = images.listing
+    monkeypatch.setattr(images, "listing", lambda root: calls.append(root) or real(root))
+    task = ImagesTask(root=str(folder), image_size=16)
+    version = task.data_version()
+    sources = task.sources()
+    assert len(calls) == 1 and version == ImagesTask(root=str(folder)).data_version()
+    assert sum(len(s["path"]) for s in sources.values()) == 24
+    assert len(pickle.dumps(task)) < 4096

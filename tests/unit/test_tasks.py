@@ -171,3 +171,20 @@ def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> N
             victim.parent / "new.txt" if task_name == "gpt" else victim.parent / "new.png"
         ).write_bytes(victim.read_bytes())
         assert current() not in (first, edited)
+
+
+def test_the_corpus_is_listed_once_for_its_version_and_its_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import raylift.tasks.gpt as gpt
+
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n" * 20)
+    calls = []
+    real = gpt.corpus_infos
+    monkeypatch.setattr(gpt, "corpus_infos", lambda spec: calls.append(spec) or real(spec))
+    task = GPTTask(corpus=str(tmp_path), val_percent=20)
+    task.data_version()
+    sources = task.sources()
+    assert len(calls) == 1 and task._listed is None  # not shipped with preprocess
+    assert sum(len(s["path"]) for s in sources.values()) == 40

@@ -252,6 +252,7 @@ class GPTTask:
         self.dropout, self.corpus, self.max_bytes = dropout, corpus, max_bytes
         self.val_percent, self.text_field = val_percent, text_field
         self.tokens_per_sample = block_size
+        self._listed: tuple[str, list[Any]] | None = None
 
     def build_model(self) -> nn.Module:
         return GPT(
@@ -274,14 +275,22 @@ class GPTTask:
         edit. The stdlib corpus is the running Python's."""
         if self.corpus == "stdlib":
             return f"stdlib {sys.version}"
-        return files_version(corpus_infos(self.corpus)[1])
+        return files_version(self._corpus()[1])
+
+    def _corpus(self) -> tuple[str, list[Any]]:
+        """The corpus's listing, made once for the shards' version and the sources both."""
+        if self._listed is None:
+            self._listed = corpus_infos(self.corpus)
+        return self._listed
 
     def sources(self) -> dict[str, Source]:
         if self.corpus == "stdlib":
             root = str(stdlib_root())
             files = [str(p) for p in corpus_files(stdlib_root())]
         else:
-            root, files = list_corpus(self.corpus)
+            root, infos = self._corpus()
+            files = [i.path for i in infos]
+            self._listed = None  # not shipped to the tasks with ``preprocess``
         rows = [f for f in files if Path(f).suffix.lower() in ROW_FORMATS]
         text = [f for f in files if f not in set(rows)]
         if rows and text:

@@ -85,8 +85,13 @@ class ResNet(nn.Module):
         return self.head(x.mean(dim=(2, 3)))
 
 
-def list_images(root: str) -> tuple[list[str], dict[str, list[str]]]:
-    """(class names, {split: image paths}) under ``root``; SourceError for what is wrong."""
+def list_images(
+    root: str, listed: list[Any] | None = None
+) -> tuple[list[str], dict[str, list[str]]]:
+    """(class names, {split: image paths}) under ``root``; SourceError for what is wrong.
+
+    ``listed``: a recursive listing of ``root`` already made (``listing``), not made again.
+    """
     import pyarrow.fs as pafs
 
     fs, base = filesystem(root)
@@ -94,11 +99,15 @@ def list_images(root: str) -> tuple[list[str], dict[str, list[str]]]:
     if info.type != pafs.FileType.Directory:
         what = "does not exist" if info.type == pafs.FileType.NotFound else "is not a folder"
         raise SourceError(f"task_args.root: {root} {what}; give a folder of class folders")
-    top = {Path(i.path).name for i in fs.get_file_info(pafs.FileSelector(base))}
+    if listed is None:
+        listed = listing(root)
+    top = {i.path[len(base) + 1 :].split("/", 1)[0] for i in listed}
     splits = ("train", "val") if {"train", "val"} <= top else ("",)
     found: dict[str, dict[str, list[str]]] = {}
     for split in splits:
-        found[split] = _class_files(fs, f"{base}/{split}".rstrip("/"), root)
+        folder = f"{base}/{split}".rstrip("/")
+        under = [i for i in listed if i.path.startswith(folder + "/")]
+        found[split] = _class_files(under, folder, root)
     classes = sorted({c for per in found.values() for c in per})
     if not classes:
         raise SourceError(
@@ -121,10 +130,18 @@ def class_names(root: str) -> list[str]:
     return sorted(names)
 
 
-def _class_files(fs: Any, folder: str, root: str) -> dict[str, list[str]]:
+def listing(root: str) -> list[Any]:
+    """Every file and folder under ``root``, recursively (pyarrow ``FileInfo``s): one
+    listing, which an object store answers a thousand entries per request."""
     import pyarrow.fs as pafs
 
-    listed = fs.get_file_info(pafs.FileSelector(folder, recursive=True))
+    fs, base = filesystem(root)
+    return list(fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)))
+
+
+def _class_files(listed: list[Any], folder: str, root: str) -> dict[str, list[str]]:
+    import pyarrow.fs as pafs
+
     per: dict[str, list[str]] = {}
     for i in listed:
         if i.type == pafs.FileType.Directory and i.path.count("/") == folder.count("/") + 1:
@@ -179,6 +196,7 @@ class ImagesTask(ImageClassifier):
         self.root, self.image_size, self.width = root, image_size, width
         self.val_percent, self.pad, self.max_bad_fraction = val_percent, pad, max_bad_fraction
         self._classes: list[str] | None = None
+        self._listed: list[Any] | None = None
 
     @property
     def classes(self) -> list[str]:
@@ -192,9 +210,13 @@ class ImagesTask(ImageClassifier):
         prepared again after images are added, removed or replaced."""
         import pyarrow.fs as pafs
 
-        fs, base = filesystem(self.root)
-        listed = fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True))
-        return files_version([i for i in listed if i.type == pafs.FileType.File])
+        return files_version([i for i in self._listing() if i.type == pafs.FileType.File])
+
+    def _listing(self) -> list[Any]:
+        """The root's listing, made once for the shards' version and the sources both."""
+        if self._listed is None:
+            self._listed = listing(self.root)
+        return self._listed
 
     def build_model(self) -> nn.Module:
         return ResNet(len(self.classes), self.width)
@@ -216,8 +238,9 @@ class ImagesTask(ImageClassifier):
     # ------------------------------------------------------------ data
 
     def sources(self) -> dict[str, Source]:
-        classes, found = list_images(self.root)
+        classes, found = list_images(self.root, self._listing())
         self._classes = classes
+        self._listed = None  # not shipped to the tasks with ``preprocess``
         if "" in found:  # one folder: split by a hash of the path under the root
             paths = found.pop("")
             base = filesystem(self.root)[1]

@@ -300,44 +300,10 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     check_sources(sources)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
-    # The splits are written at once: the small val split's fixed costs (its tasks'
-    # start, its files) hide under the train split's work instead of following it.
-    others = {
-        s: _Background(_write_split, task, sources[s], s, root, cpus, budget, log)
-        for s in SPLITS[1:]
-    }
-    counted = {
-        SPLITS[0]: _write_split(task, sources[SPLITS[0]], SPLITS[0], root, cpus, budget, log)
-    }
-    counted.update({s: job.result() for s, job in others.items()})
+    counted = {s: _write_split(task, sources[s], s, root, cpus, budget, log) for s in SPLITS}
     for split in SPLITS:
         _check_skipped(task, root, split, *counted[split], log)
     return list(SPLITS)
-
-
-class _Background:
-    """``fn(*args)`` in a daemon thread: should the main thread fail or be interrupted,
-    the process exits without waiting for it."""
-
-    def __init__(self, fn: Any, *args: Any):
-        import threading
-
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn: Any, args: tuple[Any, ...]) -> None:
-        try:
-            self.value = fn(*args)
-        except BaseException as exc:  # re-raised in the caller's thread by result()
-            self.error = exc
-
-    def result(self) -> Any:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def _write_split(
@@ -405,11 +371,15 @@ def _split_dataset(
     if isinstance(source, dict):  # numpy columns
         # In the driver's memory already: a full shuffle is a permutation, here. Rows
         # that preprocess turns into several (documents into windows) are mixed again
-        # within windows of SHUFFLE_WINDOW.
+        # within each preprocess call's output, in the same task.
         log(f"raylift: prep shuffles split 'train' whole ({num_rows(source):,} rows, in memory)")
         ds = as_dataset(permuted(source, SHUFFLE_SEED), cpus, batch)
-        return _preprocessed(task, ds, batch).map_batches(
-            _permute_rows, batch_format="numpy", batch_size=SHUFFLE_WINDOW
+        fn: Any = _preprocess_permuted  # it takes the task's preprocess as a keyword
+        return ds.map_batches(
+            fn,
+            fn_kwargs={"preprocess": task.preprocess},
+            batch_format="numpy",
+            batch_size=batch,
         )
     ds = source
     size = estimated_bytes(source)
@@ -438,6 +408,10 @@ def _split_dataset(
 
 def _preprocessed(task: Task, ds: ray.data.Dataset, batch: int) -> ray.data.Dataset:
     return ds.map_batches(task.preprocess, batch_format="numpy", batch_size=batch)
+
+
+def _preprocess_permuted(batch: Columns, preprocess: Any) -> Columns:
+    return _permute_rows(preprocess(batch))
 
 
 def _permute_rows(batch: Columns) -> Columns:

@@ -86,9 +86,9 @@ def as_dataset(source: Source, cpus: int, batch: int = 64) -> ray.data.Dataset:
     cols: Columns = source  # type: ignore[assignment]
     n = num_rows(cols)
     size = estimated_bytes(cols) or 0
-    # Blocks by bytes, and at least one per 16 ``preprocess`` batches: rows that are
+    # Blocks by bytes, and at least one per 32 ``preprocess`` batches: rows that are
     # paths to files weigh little and cost much, and every CPU should get some.
-    wanted = max(-(-size // BYTES_PER_BLOCK), -(-n // (16 * batch)))
+    wanted = max(-(-size // BYTES_PER_BLOCK), -(-n // (32 * batch)))
     blocks = max(1, min(n, wanted, 4 * cpus))
     table = _arrow_table(cols)
     bounds = np.linspace(0, n, blocks + 1).astype(int)

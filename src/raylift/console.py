@@ -80,7 +80,8 @@ def filter_worker_logs() -> None:
     printer = found[0]
 
     def filtered(data: dict[str, Any]) -> None:
-        lines = [line for line in data.get("lines", []) if not CPP_LINE.match(line)]
+        # Blank lines too: a worker's flush can forward one, between raylift's lines.
+        lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
         if lines:
             printer({**data, "lines": lines})
 

@@ -73,7 +73,8 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
     dispatcher.add_handler("ray_print_logs", lambda data: printed.extend(data["lines"]))
     console.filter_worker_logs()
     ours = "epoch   0  step      0  eval  val_loss 2.3184  val_acc 0.0279"
-    dispatcher.emit({"lines": [CPP, ours, "Traceback (most recent call last):"], "pid": 1})
+    dispatcher.emit({"lines": [CPP, ours, "", "Traceback (most recent call last):"], "pid": 1})
+    dispatcher.emit({"lines": ["", "  "], "pid": 1})  # a flush's blank line
     dispatcher.emit({"lines": [CPP, *DUMP], "pid": 1})
     assert printed == [ours, "Traceback (most recent call last):"]
 

@@ -152,6 +152,13 @@ def check_token(address: str) -> None:
         return
     if "://" in address:  # Ray Client or the Jobs API: their own checks apply
         return
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:  # the probe below waits 40 s where nothing listens: ray.init says that itself
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return
     import ray.exceptions
     from ray._raylet import GcsClient  # type: ignore[attr-defined]
 

@@ -113,3 +113,23 @@ def test_placement_is_bounded_in_attempts_of_at_most_a_minute() -> None:
     assert placement_bounds(5.0) == (5.0, 0)  # one attempt
     assert placement_bounds(90.0) == (60.0, 1)
     assert placement_bounds(300.0, "10") == (10.0, 29)  # the environment's attempt length
+
+
+def test_the_token_probe_is_skipped_where_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's GCS client waits 40 s on a closed port; ray.init reports that case itself."""
+    import socket
+
+    import ray._raylet
+
+    from raylift.launch import check_token
+
+    def probe(**_: object) -> None:
+        raise AssertionError("probed an address where nothing listens")
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setattr(ray._raylet, "GcsClient", probe)
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed again below: nothing listens there
+    check_token(f"127.0.0.1:{port}")
+    check_token("auto")  # Ray finds a local cluster and its token itself

@@ -47,9 +47,8 @@ FORMAT_VERSION = 1
 MANIFEST = "_raylift_manifest.json"
 ROWS_PER_GROUP = 128  # the shuffle unit: small enough to mix well, big enough to read fast
 ROWS_PER_FILE = 16_384
-PREPROCESS_BATCH = (
-    64  # rows per ``preprocess`` call, unless the task sets ``preprocess_batch_size``
-)
+# Rows per ``preprocess`` call, unless the task sets ``preprocess_batch_size``.
+PREPROCESS_BATCH = 64
 SHUFFLE_SEED = 0  # the offline shuffle's; each epoch's order comes from train.seed
 # A full shuffle holds the split in the object store (and spills past it): only
 # splits of at most this share of it are shuffled whole.
@@ -375,14 +374,16 @@ def _split_dataset(
         log(f"raylift: prep shuffles split 'train' whole ({num_rows(source):,} rows, in memory)")
         ds = as_dataset(permuted(source, SHUFFLE_SEED), cpus, batch)
         fn: Any = _preprocess_permuted  # it takes the task's preprocess as a keyword
-        return ds.map_batches(
-            fn,
-            fn_kwargs={"preprocess": task.preprocess},
-            batch_format="numpy",
-            batch_size=batch,
-        )
-    ds = source
-    size = estimated_bytes(source)
+        kwargs = {"preprocess": task.preprocess}
+        return ds.map_batches(fn, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch)
+    return _shuffled_dataset(task, source, batch, budget, log)
+
+
+def _shuffled_dataset(
+    task: Task, ds: ray.data.Dataset, batch: int, budget: float, log: Any
+) -> ray.data.Dataset:
+    """A Dataset train split: shuffled whole where it fits the object store, else by file."""
+    size = estimated_bytes(ds)
     if size is not None and size <= budget:
         log(f"raylift: prep shuffles split 'train' whole ({size / 2**20:,.1f} MiB)")
         # One global shuffle offline, so each row group is a random sample of the data.

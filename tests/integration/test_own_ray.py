@@ -99,14 +99,25 @@ def watch(
     return seen, jobs
 
 
-TRIALS = 4  # two waves of two: the shipped sweep's 8 cost more start-ups and show nothing new
 EPOCHS = 4  # ASHA's rungs (grace period 1, reduction factor 3) are then epochs 1 and 3
-ASHA = [
-    f"tune.num_samples={TRIALS}",
-    "tune.max_concurrent=2",
-    f"train.max_epochs={EPOCHS}",
-    "train.max_steps=null",
-]
+# One learning rate that learns and two that barely move: whichever order their epoch-1
+# results arrive in, ASHA has a good result to hold the second poor one to, and stops
+# it there. Sampled rates left that to chance: some sweeps stopped nothing.
+RATES = [3.0e-3, 1.0e-5, 1.0e-5]
+TRIALS = len(RATES)
+ASHA = ["tune.num_samples=1", "tune.max_concurrent=2", f"train.max_epochs={EPOCHS}",
+        "train.max_steps=null"]  # fmt: skip
+
+
+def asha_config(tmp: Path) -> str:
+    """The shipped digits sweep with its search space replaced by a grid of ``RATES``."""
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "sweep-digits.yaml").read_text())
+    cfg["tune"]["space"] = {"optim.lr": {"grid": RATES}}
+    path = tmp / "sweep-asha.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
 
 
 def trial_table(out: str) -> list[dict[str, str]]:
@@ -130,8 +141,8 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
 
     rows = trial_table(out)
     assert len(rows) == TRIALS and all(r["status"] == "TERMINATED" for r in rows), out[-3000:]
-    # ASHA stops a trial only at a rung; which trials it stops depends on the order their
-    # results arrive in, so the count is held to a floor, not a number.
+    # ASHA stops a trial only at a rung; which ones depends on the order their results
+    # arrive in, so the count is held to a floor (RATES makes it at least one).
     stopped = [float(r["epochs"]) for r in rows if r["stopped"] == "scheduler"]
     assert stopped and set(stopped) <= {1.0, 3.0}, rows
     assert all(float(r["epochs"]) == EPOCHS for r in rows if r["stopped"] == "-"), rows
@@ -154,7 +165,7 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
 def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:
     """The sweep is an ASHA sweep of distributed trials (raylift tune's own test too)."""
     sweep = subprocess.Popen(
-        command(tmp_path, "tune", "sweep-digits.yaml", "side-sweep", *ASHA),
+        command(tmp_path, "tune", asha_config(tmp_path), "side-sweep", *ASHA),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip

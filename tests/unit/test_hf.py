@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from raylift.cli import main
 from raylift.config import merge
+from raylift.data.shards import fingerprint
 from raylift.export import consolidated_state_dict
 from raylift.tasks import build_task
 from tests.helpers import (
@@ -153,3 +154,11 @@ def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
     loss = task.loss(model, task.finish({"tokens": torch.from_numpy(rows[:4])}, torch.float32))
     assert torch.isfinite(loss) and float(loss.detach()) > 0
     assert set(task.summarize({"loss_sum": 8.0, "count": 4.0})) == {"val_loss", "val_ppl"}
+
+    # The shards' fingerprint follows the tokenizer: new tokens mean new rows.
+    cfg = make_config(task="hf-causal-lm", task_args={"model": str(folder), "block_size": 16})
+    before = fingerprint(cfg, task)
+    assert fingerprint(cfg, build_task(cfg.task, cfg.task_args)) == before
+    tokenizer.add_tokens(["raylift"])
+    tokenizer.save_pretrained(folder)
+    assert fingerprint(cfg, build_task(cfg.task, cfg.task_args)) != before

@@ -18,6 +18,7 @@ the initial weights are the model's own ``_init_weights``, applied module by mod
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,9 @@ def _transformers() -> Any:
             f"task hf-causal-lm needs transformers ({exc}); pip install 'raylift[hf]'"
         ) from None
     return transformers
+
+
+TOKENIZER_FILES = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens")
 
 
 class HFCausalLM(GPTTask):
@@ -89,6 +93,14 @@ class HFCausalLM(GPTTask):
                 "tokenizer the tokens are bytes"
             )
         self._model: Any = None
+
+    def data_version(self) -> str:
+        """The corpus's version and, where a tokenizer makes the tokens, a digest of its
+        files' contents: a retrained vocabulary or new merges prepare the shards again."""
+        corpus = super().data_version()
+        if self.tokenizer is None or self.folder is None:
+            return corpus
+        return f"{corpus} tokenizer {tokenizer_digest(Path(self.folder))}"
 
     @property
     def pretrained_weights(self) -> str | None:
@@ -150,6 +162,17 @@ class HFCausalLM(GPTTask):
             logits.reshape(-1, self.vocab), target.reshape(-1), reduction="sum"
         )
         return {"loss_sum": loss_sum, "count": torch.tensor(target.numel(), device=target.device)}
+
+
+def tokenizer_digest(folder: Path) -> str:
+    """A digest of the files a tokenizer is loaded from (not the weights or config): the
+    ``tokenizer*``, vocabulary, merges, special- and added-token and sentencepiece files."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        name = path.name
+        if path.is_file() and (name.startswith(TOKENIZER_FILES) or name.endswith(".model")):
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _repeated(model: nn.Module) -> list[nn.Module]:

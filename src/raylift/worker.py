@@ -52,6 +52,10 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     logging.getLogger().setLevel(logging.WARNING)
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
+    if rank == 0 and startup is not None and restarted(spec, startup):
+        # Ray Train restarted the group after a failure: this command's start-up stands as
+        # logged; measured from the command again, it would take in the training before.
+        spec, startup = dataclasses.replace(spec, startup=None), None
     trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
     try:
         resume(trainer, spec.config)
@@ -60,6 +64,19 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         trainer.run()
     finally:
         trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
+
+
+def restarted(spec: RunSpec, startup: Startup) -> bool:
+    return logged_startup_since(spec.tracking_uri, spec.run_id, startup.origin)
+
+
+def logged_startup_since(uri: str, run_id: str, origin: float) -> bool:
+    """True when the run's MLflow metrics hold a start-up total logged after ``origin``."""
+    from raylift.startup import PREFIX
+    from raylift.tracking import client
+
+    history = client(uri).get_metric_history(run_id, f"{PREFIX}total_s")
+    return any(m.timestamp >= origin * 1000 for m in history)
 
 
 def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:

@@ -248,6 +248,8 @@ def test_a_killed_worker_costs_one_checkpoint_interval_then_the_run_resumes_smal
     assert history(client, killed.run_id, "restarts") == {4: 1.0}
     # Killed at step 6, restarted from step 4: two steps redone, within one interval of 4.
     assert run.data.tags["raylift.restart.1"].startswith("step 4 from checkpoint-step00000004")
+    # The start-up is the command's, logged once at its first step, not again by the restart.
+    assert list(history(client, killed.run_id, "startup/total_s")) == [1]
     smaller = train(
         load_config(
             path, [*common, f"name=kill-{strategy}", "train.max_steps=16", "scaling.num_workers=1"]
@@ -256,6 +258,7 @@ def test_a_killed_worker_costs_one_checkpoint_interval_then_the_run_resumes_smal
     assert smaller.run_id == killed.run_id and smaller.metrics["step"] == 16
     # One MLflow run across the kill and the rerun; nothing logged twice; what changed is tagged.
     assert sorted(history(client, killed.run_id, "train_loss")) == [4, 8, 12, 16]
+    assert sorted(history(client, killed.run_id, "startup/total_s")) == [1, 13]  # the rerun's
     _, run = mlflow_run(in_tmp, killed.run_id)
     assert run.data.tags["raylift.resume_override.train.max_steps"] == "16"
     bpb = history(client, killed.run_id, "val_bpb")

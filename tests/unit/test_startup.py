@@ -10,6 +10,7 @@ import pytest
 
 from raylift import console, tracking
 from raylift.startup import PHASES, Startup, from_metrics, process_start, table
+from raylift.worker import logged_startup_since
 
 
 def test_phases_are_contiguous_and_add_up_to_the_total() -> None:
@@ -113,3 +114,19 @@ def test_a_failed_write_is_raised_not_lost(tmp_path: Path) -> None:
     tracker.log_metrics({"loss": 1.0}, 0)
     with pytest.raises(Exception, match="no-such-run"):
         tracker.close()
+
+
+def test_a_restarted_group_finds_its_command_start_up_logged(tmp_path: Path) -> None:
+    """Rank 0 of a group Ray Train restarted sees this command's start-up in MLflow and
+    leaves it; a later command resuming the run (a newer origin) logs its own."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow = tracking.client(uri)
+    run_id = mlflow.create_run(mlflow.create_experiment("t")).info.run_id
+    command = Startup.begin(time.time() - 5.0)
+    assert not logged_startup_since(uri, run_id, command.origin)
+    tracker = tracking.MlflowTracker(uri, run_id)
+    command.mark("first_step")
+    tracker.log_metrics(command.metrics(), 1)
+    tracker.close()
+    assert logged_startup_since(uri, run_id, command.origin)
+    assert not logged_startup_since(uri, run_id, time.time() + 1.0)

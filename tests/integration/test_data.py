@@ -283,6 +283,7 @@ def test_prep_streams_a_split_whose_reader_shuffles_its_files(
 def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
     ray_cluster: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from raylift.data.sources import in_val
     from raylift.tasks.gpt import SEP
     from tests.corpora import documents, write_jsonl
 
@@ -293,14 +294,24 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
         "val_percent: 20}",
     ]
     assert cli_main(["prep", str(GPT_TINY), *args]) == 0
-    assert "by file (its reader shuffles the files)" in capsys.readouterr().out  # streamed
+    out = capsys.readouterr().out
+    # No file hashes into val (3 files, 20%): one pass over the rows writes both splits.
+    assert "shuffles splits 'train' and 'val' (read once) by file" in out, out  # streamed
+    assert "prep wrote splits 'train' and 'val'" in out
     manifest = open_shards(str(tmp_path / "shards"), None)
     store = ParquetStore(manifest)
-    text = SEP.join(d.encode() for d in documents(120))
-    windows = np.concatenate([store.read("val", 0)["tokens"], store.read("train", 0)["tokens"]])
-    assert windows.dtype == np.uint8 and windows.shape[1] == 33
-    # Every window is text of the corpus; documents never run into each other unmarked.
-    assert all(bytes(w[w != 0])[:16] in text for w in windows[:50])
+    docs = [d.encode() for d in documents(120)]
+    in_val_docs = [d for d in docs if in_val(d[:4096], 20)]
+    text = {
+        "val": SEP.join(in_val_docs),
+        "train": SEP.join(d for d in docs if d not in in_val_docs),
+    }
+    for split in ("val", "train"):
+        windows = store.read(split, 0)["tokens"]
+        assert windows.dtype == np.uint8 and windows.shape[1] == 33
+        # Every window is text of its split's documents, a separator between documents.
+        pieces = [p for w in windows[:50] for p in bytes(w).split(SEP) if len(p) >= 8]
+        assert pieces and all(p in text[split] for p in pieces), split
     val, train = manifest.rows("val"), manifest.rows("train")
     assert 0.05 < val / (val + train) < 0.4  # 20% of the documents, by hash
 
@@ -314,6 +325,7 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
         ("{corpus: '%s/nowhere'}", "does not exist"),
         ("{corpus: '%s/empty'}", "holds no files"),
         ("{corpus: '%s/mixed'}", "mixes text files with JSONL"),
+        ("{corpus: '%s/one', val_percent: 1}", "no row of split 'val'"),  # 1 row, in train
     ],
 )
 def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
@@ -333,6 +345,8 @@ def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
     pq.write_table(pa.table({"body": ["a document"] * 3}), tmp_path / "table" / "a.parquet")
     (tmp_path / "garbled").mkdir()
     (tmp_path / "garbled" / "a.jsonl").write_text("text, not JSON\n")
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "a.jsonl").write_text(json.dumps({"text": "a single document " * 20}))
     args = [f"storage={tmp_path / 'runs'}", f"task_args={task_args % tmp_path}"]
     assert cli_main(["train", str(GPT_TINY), *args]) == 2
     err = capsys.readouterr().err

@@ -138,6 +138,32 @@ def test_jsonl_files_split_by_their_relative_path_when_both_sides_get_some(
     assert not val & {Path(p).name for p in out["train"]}  # type: ignore[union-attr]
 
 
+def test_too_few_jsonl_files_give_one_row_split_whose_rows_are_preprocessed_per_split(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One file: both splits are one RowSplit (read once); each preprocess call packs a
+    split's documents apart, so no train window holds val text, and marks its split."""
+    from raylift.data.shards import _preprocess_by_split
+    from raylift.data.sources import SPLIT_COLUMN, RowSplit, in_val
+
+    monkeypatch.setattr(GPTTask, "_documents", lambda self, files: "docs")  # no Ray
+    task = GPTTask(corpus=str(tmp_path), block_size=8, val_percent=30)
+    out = task._row_sources(str(tmp_path), [str(tmp_path / "all.jsonl")])
+    assert out["train"] is out["val"] and isinstance(out["train"], RowSplit)
+    assert (out["train"].dataset, out["train"].key) == ("docs", "doc")
+    docs = [f"document number {i} ".encode() * 3 for i in range(40)]
+    val = {d for d in docs if in_val(d, 30)}
+    assert 0 < len(val) < len(docs)
+    rows = _preprocess_by_split(
+        {"doc": np.array(docs, dtype=object)}, task.preprocess, key="doc", percent=30
+    )
+    train = [d for d in docs if d not in val]
+    for split, text in (("val", b"".join(sorted(val))), ("train", b"".join(train))):
+        windows = rows["tokens"][rows[SPLIT_COLUMN] == split]
+        assert len(windows) > 0
+        assert all(bytes(w[w != 0])[:8] in text for w in windows), split
+
+
 def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> None:
     """An edited, added or removed corpus file or image changes the shards' fingerprint,
     so a run prepares its data again instead of training on stale shards."""

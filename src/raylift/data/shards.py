@@ -25,7 +25,9 @@ import numpy as np
 
 from raylift.config import Config
 from raylift.data.sources import (
+    SPLIT_COLUMN,
     SPLITS,
+    RowSplit,
     Skipped,
     Source,
     SourceError,
@@ -36,6 +38,7 @@ from raylift.data.sources import (
     num_rows,
     permuted,
     reads_shuffled_files,
+    val_rows,
 )
 from raylift.storage import filesystem, is_remote, join, resolve
 from raylift.tasks.base import Columns, Task
@@ -299,9 +302,13 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     check_sources(sources)
     cpus = int(ray.cluster_resources().get("CPU", 1))
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
+    both = sources["train"]
+    if isinstance(both, RowSplit):
+        _check_skipped(task, root, SPLITS, *_write_row_split(task, both, root, budget, log), log)
+        return list(SPLITS)
     counted = {s: _write_split(task, sources[s], s, root, cpus, budget, log) for s in SPLITS}
     for split in SPLITS:
-        _check_skipped(task, root, split, *counted[split], log)
+        _check_skipped(task, root, (split,), *counted[split], log)
     return list(SPLITS)
 
 
@@ -309,48 +316,91 @@ def _write_split(
     task: Task, source: Source, split: str, root: str, cpus: int, budget: float, log: Any
 ) -> tuple[int, list[str]]:
     """Preprocess, shuffle (train) and write one split; the bad rows it dropped."""
-    skipped = f"raylift-prep-skipped-{uuid.uuid4().hex}"
     ds = _split_dataset(task, source, split, cpus, budget, log)
+    # An ETA only from files' sizes: in-memory columns may be paths to the data.
+    expected = None if isinstance(source, dict) else estimated_bytes(source)
+    return _write(ds, join(root, split), f"split {split!r}", expected, log)
+
+
+def _write_row_split(
+    task: Task, source: RowSplit, root: str, budget: float, log: Any
+) -> tuple[int, list[str]]:
+    """Both splits in one pass over the data, shuffled as a train split is: each
+    preprocess call parts its rows by the key's hash and preprocesses each part alone (no
+    train row is made of val data); the write files each row under the split it carries."""
+    batch = getattr(task, "preprocess_batch_size", PREPROCESS_BATCH)
+    ds = _shuffled_dataset(task, source.dataset, batch, budget, log, source)
+    counted = _write(ds, root, "splits 'train' and 'val'", estimated_bytes(source), log, True)
+    for split in SPLITS:
+        if not _parquet_files(join(root, split)):
+            raise SourceError(
+                f"task: prep made no row of split {split!r} from {source.what}: "
+                f"{source.val_percent}% of its rows go to val by a hash of column "
+                f"{source.key!r}, and it has too few rows for that (or too little text for "
+                "one window of the split); add data or change val_percent"
+            )
+    return counted
+
+
+def _write(
+    ds: ray.data.Dataset,
+    folder: str,
+    label: str,
+    expected: int | None,
+    log: Any,
+    by_split: bool = False,
+) -> tuple[int, list[str]]:
+    """Drop and count the rows ``preprocess`` marked bad and write the rest under
+    ``folder`` (in a folder per split, named by SPLIT_COLUMN, with ``by_split``)."""
+    skipped = f"raylift-prep-skipped-{uuid.uuid4().hex}"
     drop: Any = drop_bad_rows
     ds = ds.map_batches(drop, fn_kwargs={"skipped": skipped}, batch_format="pyarrow")
+    # Directory partitioning: root/train/..., not Hive's root/_split=train/...
+    parts: dict[str, Any] = (
+        {"partition_cols": [SPLIT_COLUMN], "partitioning_flavor": None} if by_split else {}
+    )
     try:
-        # An ETA only from files' sizes: in-memory columns may be paths to the data.
-        expected = None if isinstance(source, dict) else estimated_bytes(source)
-        with Progress(join(root, split), split, expected, log):
+        with Progress(folder, label, expected, log, recursive=by_split):
             ds.write_parquet(
-                join(root, split), row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE
+                folder, row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE, **parts
             )
     finally:
         counted = Skipped.collect(skipped)
     return counted
 
 
+def _parquet_files(folder: str) -> list[Any]:
+    fs, base = filesystem(folder)
+    return [i for i in fs.get_file_info(_selector(base)) if i.path.endswith(".parquet")]
+
+
 def _check_skipped(
-    task: Task, root: str, split: str, bad: int, examples: list[str], log: Any
+    task: Task, root: str, splits: tuple[str, ...], bad: int, examples: list[str], log: Any
 ) -> None:
     """Warn about rows ``preprocess`` could not use; past the task's share, stop."""
     if not bad:
         return
-    fs, base = filesystem(join(root, split))
     import pyarrow.parquet as pq
 
+    fs, _ = filesystem(root)
     kept = sum(
         pq.ParquetFile(fs.open_input_file(i.path)).metadata.num_rows
-        for i in fs.get_file_info(_selector(base))
-        if i.path.endswith(".parquet")
+        for split in splits
+        for i in _parquet_files(join(root, split))
     )
     share = bad / max(bad + kept, 1)
     allowed = float(getattr(task, "max_bad_fraction", 0.0))
     named = "; ".join(examples)
+    label = " and ".join(repr(s) for s in splits)
+    label = f"split {label}" if len(splits) == 1 else f"splits {label}"
     if share > allowed:
         raise SourceError(
-            f"task: {bad} of {bad + kept} rows of split {split!r} ({share:.1%}) could not be "
+            f"task: {bad} of {bad + kept} rows of {label} ({share:.1%}) could not be "
             f"read, more than task_args.max_bad_fraction={allowed:g} allows: {named}. Fix or "
             "remove those files, or raise task_args.max_bad_fraction"
         )
     log(
-        f"raylift: warning: prep skipped {bad} unreadable row(s) of {split!r} ({share:.2%}): "
-        + named
+        f"raylift: warning: prep skipped {bad} unreadable row(s) of {label} ({share:.2%}): " + named
     )
 
 
@@ -376,39 +426,64 @@ def _split_dataset(
         fn: Any = _preprocess_permuted  # it takes the task's preprocess as a keyword
         kwargs = {"preprocess": task.preprocess}
         return ds.map_batches(fn, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch)
-    return _shuffled_dataset(task, source, batch, budget, log)
+    dataset: Any = source  # neither columns nor a RowSplit (prep writes those apart)
+    return _shuffled_dataset(task, dataset, batch, budget, log)
 
 
 def _shuffled_dataset(
-    task: Task, ds: ray.data.Dataset, batch: int, budget: float, log: Any
+    task: Task,
+    ds: ray.data.Dataset,
+    batch: int,
+    budget: float,
+    log: Any,
+    rows: RowSplit | None = None,
 ) -> ray.data.Dataset:
-    """A Dataset train split: shuffled whole where it fits the object store, else by file."""
+    """A Dataset train split (or both splits of ``rows``): shuffled whole where it fits
+    the object store, else by file."""
     size = estimated_bytes(ds)
+    what = "split 'train'" if rows is None else "splits 'train' and 'val' (read once)"
     if size is not None and size <= budget:
-        log(f"raylift: prep shuffles split 'train' whole ({size / 2**20:,.1f} MiB)")
+        log(f"raylift: prep shuffles {what} whole ({size / 2**20:,.1f} MiB)")
         # One global shuffle offline, so each row group is a random sample of the data.
-        return _preprocessed(task, ds, batch).random_shuffle(seed=SHUFFLE_SEED)
+        return _preprocessed(task, ds, batch, rows).random_shuffle(seed=SHUFFLE_SEED)
     # Too big to shuffle whole in the object store: files (and blocks) in a random order,
     # then rows within windows of SHUFFLE_WINDOW. A reader that shuffles its files needs
     # nothing more and streams; else randomizing the blocks first reads the split whole.
     by_block = not reads_shuffled_files(ds)
     if by_block:
         ds = ds.randomize_block_order(seed=SHUFFLE_SEED)
-    what = "not known before reading" if size is None else f"{size / 2**20:,.0f} MiB"
+    known = "not known before reading" if size is None else f"{size / 2**20:,.0f} MiB"
     order = "file and block" if by_block else "file (its reader shuffles the files)"
     log(
-        f"raylift: prep shuffles split 'train' by {order}, then rows within "
+        f"raylift: prep shuffles {what} by {order}, then rows within "
         f"windows of {SHUFFLE_WINDOW:,}: a full shuffle needs it to be at most "
         f"{budget / 2**20:,.0f} MiB ({SHUFFLE_MEMORY_SHARE:.0%} of Ray's object store), "
-        f"and its size is {what}"
+        f"and its size is {known}"
     )
-    return _preprocessed(task, ds, batch).map_batches(
+    return _preprocessed(task, ds, batch, rows).map_batches(
         _permute_rows, batch_format="numpy", batch_size=SHUFFLE_WINDOW
     )
 
 
-def _preprocessed(task: Task, ds: ray.data.Dataset, batch: int) -> ray.data.Dataset:
-    return ds.map_batches(task.preprocess, batch_format="numpy", batch_size=batch)
+def _preprocessed(
+    task: Task, ds: ray.data.Dataset, batch: int, rows: RowSplit | None = None
+) -> ray.data.Dataset:
+    if rows is None:
+        return ds.map_batches(task.preprocess, batch_format="numpy", batch_size=batch)
+    fn: Any = _preprocess_by_split  # it takes the task's preprocess as a keyword
+    kwargs = {"preprocess": task.preprocess, "key": rows.key, "percent": rows.val_percent}
+    return ds.map_batches(fn, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch)
+
+
+def _preprocess_by_split(batch: Columns, preprocess: Any, key: str, percent: int) -> Columns:
+    """Each split's rows of ``batch`` preprocessed apart, marked with their split."""
+    val = val_rows(batch[key], percent)
+    parts = []
+    for split, mask in (("train", ~val), ("val", val)):
+        if mask.any():
+            out = preprocess({k: v[mask] for k, v in batch.items()})
+            parts.append({**out, SPLIT_COLUMN: np.full(num_rows(out), split)})
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def _preprocess_permuted(batch: Columns, preprocess: Any) -> Columns:
@@ -427,12 +502,16 @@ def _permute_rows(batch: Columns) -> Columns:
 
 class Progress:
     """Prints how much of a split is written (MiB, files, rate, ETA) every
-    ``PROGRESS_EVERY_S`` while Ray Data writes it, and a summary when it is done."""
+    ``PROGRESS_EVERY_S`` while Ray Data writes it, and a summary when it is done.
+    ``label`` names what is written ("split 'train'"); ``recursive``: in subfolders."""
 
-    def __init__(self, folder: str, split: str, expected: int | None, log: Any):
+    def __init__(
+        self, folder: str, label: str, expected: int | None, log: Any, recursive: bool = False
+    ):
         import threading
 
-        self.folder, self.split, self.expected, self.log = folder, split, expected, log
+        self.folder, self.label, self.expected, self.log = folder, label, expected, log
+        self.recursive = recursive
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.perf_counter()
@@ -448,7 +527,7 @@ class Progress:
             files, size = self.written()
             secs = time.perf_counter() - self.started
             self.log(
-                f"raylift: prep wrote split {self.split!r}: {size / 2**20:,.1f} MiB in "
+                f"raylift: prep wrote {self.label}: {size / 2**20:,.1f} MiB in "
                 f"{files} file(s), {secs:.1f} s ({size / 2**20 / max(secs, 1e-9):,.1f} MiB/s)"
             )
 
@@ -457,7 +536,8 @@ class Progress:
 
         fs, base = filesystem(self.folder)
         try:
-            infos = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+            selector = pafs.FileSelector(base, allow_not_found=True, recursive=self.recursive)
+            infos = fs.get_file_info(selector)
         except OSError:  # listing an object store can fail transiently: report later
             return 0, 0
         done = [i for i in infos if i.path.endswith(".parquet") and i.size is not None]
@@ -472,7 +552,7 @@ class Progress:
             if self.expected and size >= 2**20 and size < self.expected:  # a rate to go by
                 eta = f", about {(self.expected - size) / rate:,.0f} s left"
             self.log(
-                f"raylift: prep split {self.split!r}: {size / 2**20:,.1f} MiB in {files} "
+                f"raylift: prep {self.label}: {size / 2**20:,.1f} MiB in {files} "
                 f"file(s) after {secs:.0f} s ({rate / 2**20:,.1f} MiB/s{eta})"
             )
 

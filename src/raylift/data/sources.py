@@ -7,10 +7,15 @@ Two forms are accepted for each split:
   ``read_json``, ``read_text``, ``read_images``, ``read_binary_files``, ...), over local
   folders or ``s3://`` / ``gs://``: data of any size, read lazily and in parallel by
   the cluster. The driver never holds its rows.
+
+Data with too few files to split by file (one large JSONL, say) can be given as one
+:class:`RowSplit` for both splits: rows go to val by a hash of a key column, and prep
+reads the data once for both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import zlib
@@ -23,7 +28,7 @@ from raylift.tasks.base import Columns
 if TYPE_CHECKING:
     import ray.data
 
-Source = Union[Columns, "ray.data.Dataset"]
+Source = Union[Columns, "ray.data.Dataset", "RowSplit"]
 SPLITS = ("train", "val")
 # Columns are cut into blocks of about this much data for Ray Data (at most 4 per CPU):
 # every block is a task, and a task's worker process costs seconds to start.
@@ -31,6 +36,8 @@ BYTES_PER_BLOCK = 16 * 2**20
 # A column ``preprocess`` may add: "" for a good row, else why the row's raw data could
 # not be used (a corrupt image, say). Prep drops such rows, counts them and names some.
 ERROR_COLUMN = "_error"
+# The column a RowSplit's preprocessed rows carry to the write, which files them by it.
+SPLIT_COLUMN = "_split"
 FILE_SHUFFLE_SEED = 0
 
 
@@ -52,6 +59,28 @@ def files_version(infos: list[Any]) -> str:
     return digest.hexdigest()
 
 
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """Both splits in one Dataset, read once: a row is val where the first 4 KiB of its
+    ``key`` column hash below ``val_percent`` (:func:`in_val`), else train. For data with
+    too few files to split by file, where a Dataset per split would read every file twice.
+    ``sources()`` returns the same RowSplit for ``train`` and ``val``."""
+
+    dataset: Any  # a ray.data.Dataset
+    key: str
+    val_percent: int
+    what: str = "the data"  # for messages: "task_args.corpus /data/*.jsonl", say
+
+
+def val_rows(keys: Any, percent: int) -> np.ndarray:
+    """Which of ``keys`` (bytes or str values) are val rows under ``in_val``."""
+    return np.fromiter(
+        (in_val((k if isinstance(k, bytes) else str(k).encode())[:4096], percent) for k in keys),
+        dtype=bool,
+        count=len(keys),
+    )
+
+
 def is_dataset(source: object) -> bool:
     import ray.data
 
@@ -63,6 +92,12 @@ def check_sources(sources: dict[str, Any]) -> None:
     missing = [s for s in SPLITS if s not in sources]
     if missing:
         raise SourceError(f"task: sources() must return 'train' and 'val' splits, lacks {missing}")
+    if any(isinstance(sources[s], RowSplit) for s in SPLITS):
+        if sources["train"] is not sources["val"]:
+            raise SourceError(
+                "task: a RowSplit holds both splits: return the same one for 'train' and 'val'"
+            )
+        return
     for split in SPLITS:
         source = sources[split]
         if is_dataset(source):
@@ -138,10 +173,11 @@ def estimated_bytes(source: Source) -> int | None:
     """In-memory size of the raw rows, when it is known without reading them."""
     if isinstance(source, dict):
         return int(sum(np.asarray(v).nbytes for v in source.values()))
+    ds: Any = source.dataset if isinstance(source, RowSplit) else source
     try:
         # Metadata only (file sizes, parquet footers): it never executes the dataset.
         # Not a public API; its absence just means "unknown", never a wrong answer.
-        size = source._logical_plan.dag.infer_metadata().size_bytes
+        size = ds._logical_plan.dag.infer_metadata().size_bytes
     except Exception:
         return None
     return int(size) if size is not None else None
@@ -179,7 +215,8 @@ def sample(source: Source, n: int) -> Columns:
     """The first ``n`` raw rows as numpy columns (a few rows are read, not the split)."""
     if isinstance(source, dict):
         return {k: v[:n] for k, v in source.items()}
-    return dict(source.take_batch(n, batch_format="numpy"))
+    ds: Any = source.dataset if isinstance(source, RowSplit) else source
+    return dict(ds.take_batch(n, batch_format="numpy"))
 
 
 class Skipped:

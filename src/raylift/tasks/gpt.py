@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from raylift.data.sources import (
+    RowSplit,
     Source,
     SourceError,
     files_version,
@@ -204,15 +205,6 @@ def windows(tokens: np.ndarray, block: int) -> np.ndarray:
     return tokens[np.arange(n)[:, None] * block + np.arange(block + 1)[None, :]]
 
 
-def _keep_split(batch: Any, val: bool, percent: int) -> Any:
-    """The documents of one split: val where a hash of the text's start is < ``percent``."""
-    import pyarrow as pa
-
-    docs = batch.column("doc").to_pylist()
-    keep = [in_val(d[:4096], percent) == val for d in docs]
-    return batch.filter(pa.array(keep, type=pa.bool_()))
-
-
 def _documents(batch: Any, field: str) -> Any:
     """One ``doc`` column of UTF-8 bytes from the text field (other columns dropped)."""
     import pyarrow as pa
@@ -330,23 +322,16 @@ class GPTTask:
 
     def _row_sources(self, root: str, files: list[str]) -> dict[str, Source]:
         """JSONL or parquet rows, read in parallel by Ray Data. Split by file where the
-        files are enough for both splits (each file is then read once), else by the
-        rows' text (every file is read for each split)."""
+        files are enough for both splits, else by the rows' text (one pass writes both)."""
         by_file: dict[str, list[str]] = {"train": [], "val": []}
         for f in files:
             rel = f[len(root) :].lstrip("/")
             by_file["val" if self._is_val(rel.encode()) else "train"].append(f)
         if by_file["train"] and by_file["val"]:
             return {split: self._documents(chosen) for split, chosen in by_file.items()}
-        docs = self._documents(files)
-        return {
-            split: docs.map_batches(
-                _keep_split,
-                fn_kwargs={"val": split == "val", "percent": self.val_percent},
-                batch_format="pyarrow",
-            )
-            for split in ("train", "val")
-        }
+        what = f"task_args.corpus {self.corpus}"
+        both = RowSplit(self._documents(files), "doc", self.val_percent, what)
+        return {"train": both, "val": both}
 
     def _documents(self, files: list[str]) -> Any:
         """One ``doc`` column of the files' ``text_field``, over JSONL and parquet alike."""

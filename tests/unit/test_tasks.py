@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import math
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -214,3 +215,28 @@ def test_the_corpus_is_listed_once_for_its_version_and_its_sources(
     sources = task.sources()
     assert len(calls) == 1 and task._listed is None  # not shipped with preprocess
     assert sum(len(s["path"]) for s in sources.values()) == 40
+
+
+def test_prep_progress_counts_the_rows_of_finished_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows come from finished files' footers; a file still being written (no footer
+    yet) counts its bytes but not yet its rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import raylift.data.shards as shards
+
+    for split, n in (("train", 10), ("val", 5)):
+        (tmp_path / split).mkdir()
+        pq.write_table(pa.table({"x": list(range(n))}), tmp_path / split / "a.parquet")
+    (tmp_path / "train" / "b.parquet").write_bytes(b"PAR1 half-written")
+    said: list[str] = []
+    monkeypatch.setattr(shards, "PROGRESS_EVERY_S", 0.05)
+    with shards.Progress(str(tmp_path), "splits 'train' and 'val'", None, said.append, True):
+        time.sleep(0.3)
+    assert said and all(line.startswith("raylift: prep ") for line in said)
+    assert "15 rows" in said[0] and "3 file(s)" in said[0] and "rows/s" in said[0]
+    assert said[-1].startswith("raylift: prep wrote splits 'train' and 'val': 15 rows")
+    only_train = shards.Progress(str(tmp_path / "train"), "split 'train'", None, said.append)
+    assert only_train.written()[::2] == (2, 10)  # files, rows

@@ -501,7 +501,7 @@ def _permute_rows(batch: Columns) -> Columns:
 
 
 class Progress:
-    """Prints how much of a split is written (MiB, files, rate, ETA) every
+    """Prints how much of a split is written (rows, MiB, files, rates, ETA) every
     ``PROGRESS_EVERY_S`` while Ray Data writes it, and a summary when it is done.
     ``label`` names what is written ("split 'train'"); ``recursive``: in subfolders."""
 
@@ -512,6 +512,7 @@ class Progress:
 
         self.folder, self.label, self.expected, self.log = folder, label, expected, log
         self.recursive = recursive
+        self.rows_of: dict[str, int] = {}  # finished files' rows: each footer is read once
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.started = time.perf_counter()
@@ -524,14 +525,16 @@ class Progress:
         self.stop.set()
         self.thread.join()
         if exc[0] is None:
-            files, size = self.written()
+            files, size, rows = self.written()
             secs = time.perf_counter() - self.started
             self.log(
-                f"raylift: prep wrote {self.label}: {size / 2**20:,.1f} MiB in "
-                f"{files} file(s), {secs:.1f} s ({size / 2**20 / max(secs, 1e-9):,.1f} MiB/s)"
+                f"raylift: prep wrote {self.label}: {rows:,} rows, {size / 2**20:,.1f} MiB "
+                f"in {files} file(s), {secs:.1f} s ({size / 2**20 / max(secs, 1e-9):,.1f} "
+                f"MiB/s, {rows / max(secs, 1e-9):,.0f} rows/s)"
             )
 
-    def written(self) -> tuple[int, int]:
+    def written(self) -> tuple[int, int, int]:
+        """Files, bytes and rows under the folder so far (rows of finished files)."""
         import pyarrow.fs as pafs
 
         fs, base = filesystem(self.folder)
@@ -539,21 +542,33 @@ class Progress:
             selector = pafs.FileSelector(base, allow_not_found=True, recursive=self.recursive)
             infos = fs.get_file_info(selector)
         except OSError:  # listing an object store can fail transiently: report later
-            return 0, 0
+            return 0, 0, 0
         done = [i for i in infos if i.path.endswith(".parquet") and i.size is not None]
-        return len(done), sum(i.size for i in done)
+        rows = sum(self._rows(fs, i.path) for i in done)
+        return len(done), sum(i.size for i in done), rows
+
+    def _rows(self, fs: Any, path: str) -> int:
+        if path not in self.rows_of:
+            import pyarrow.parquet as pq
+
+            try:
+                self.rows_of[path] = pq.ParquetFile(fs.open_input_file(path)).metadata.num_rows
+            except Exception:  # still being written: a parquet footer comes last
+                return 0
+        return self.rows_of[path]
 
     def _run(self) -> None:
         while not self.stop.wait(PROGRESS_EVERY_S):
-            files, size = self.written()
-            secs = time.perf_counter() - self.started
-            rate = size / max(secs, 1e-9)
+            files, size, rows = self.written()
+            secs = max(time.perf_counter() - self.started, 1e-9)
+            rate = size / secs
             eta = ""
             if self.expected and size >= 2**20 and size < self.expected:  # a rate to go by
                 eta = f", about {(self.expected - size) / rate:,.0f} s left"
             self.log(
-                f"raylift: prep {self.label}: {size / 2**20:,.1f} MiB in {files} "
-                f"file(s) after {secs:.0f} s ({rate / 2**20:,.1f} MiB/s{eta})"
+                f"raylift: prep {self.label}: {rows:,} rows, {size / 2**20:,.1f} MiB in "
+                f"{files} file(s) after {secs:.0f} s ({rate / 2**20:,.1f} MiB/s, "
+                f"{rows / secs:,.0f} rows/s{eta})"
             )
 
 

@@ -24,12 +24,17 @@ from torch.nn.parallel import DistributedDataParallel
 from raylift.tasks.digits import DigitsNet
 
 
-def main() -> None:
+def parse_args(per: str = "process") -> argparse.Namespace:
+    """The job's settings, the same under torchrun and under Ray Train."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--cuda", action="store_true", help="one GPU per process, NCCL")
-    args = parser.parse_args()
+    parser.add_argument("--cuda", action="store_true", help=f"one GPU per {per}, NCCL")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     dist.init_process_group("nccl" if args.cuda else "gloo")
     train(args.steps, args.batch_size, args.cuda)
     dist.destroy_process_group()

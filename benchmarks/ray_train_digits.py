@@ -11,7 +11,6 @@ prints the wall clock of its first optimizer step (``first_step_at``), as under 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -32,11 +31,10 @@ def loop(config: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--cuda", action="store_true", help="one GPU per worker, NCCL")
-    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    from ddp_digits import parse_args
+
+    args = parse_args("worker")
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -271,12 +271,17 @@ def train_and_record(rank: int, world: int, cfg_dict: dict, out: str) -> None:
         torch.save(trainer.memory, f"{out}.memory")  # model-state bytes rank 0 held
 
 
+# Shaped and trained like configs/gpt-tiny.yaml (weight decay, betas, warm-up, clipping,
+# a tied head), smaller: what holds here holds for the shipped configs' settings.
+SHIPPED_TRAINING = {
+    "data": {"batch_size": 8},
+    "optim": {"lr": 3e-3, "warmup_steps": 5, "weight_decay": 0.1, "betas": [0.9, 0.95]},
+    "train": {"max_steps": 30, "log_every_n_steps": 1, "seed": 0, "grad_clip": 1.0},
+}
 GPT_SMALL = {
     "task": "gpt",
     "task_args": {"block_size": 32, "n_layer": 2, "n_head": 4, "d_model": 64, "max_bytes": 300_000},
-    "data": {"batch_size": 8},
-    "optim": {"lr": 3e-3, "warmup_steps": 5},
-    "train": {"max_steps": 30, "log_every_n_steps": 1, "seed": 0},
+    **SHIPPED_TRAINING,
 }
 
 
@@ -336,7 +341,8 @@ def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
         trainer = make_trainer(config_from_dict(raw), rank, world, reporter, tracker)
         trainer.run()
         with torch.no_grad():
-            logits = trainer.engine.eval_model(probe_tokens()).float()
+            output = trainer.engine.eval_model(probe_tokens())
+            logits = getattr(output, "logits", output).float()  # a Hugging Face model's
         results[name] = {
             "loss": tracker.series("train_loss"),
             "bytes": trainer.engine.model_state_bytes(),

@@ -9,15 +9,20 @@ import torch
 from torch import nn
 
 from raylift.config import OptimConfig
+from raylift.init import full_shape
 
 
 def param_groups(params: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices only: decaying biases and norm gains hurts and buys nothing."""
+    """Decay matrices only: decaying biases and norm gains hurts and buys nothing.
+
+    A parameter's rank is its whole shape's: ZeRO-3 builds each parameter as an empty
+    1-D placeholder (its shape in ``ds_shape``), which would put every weight in the
+    no-decay group and train without weight decay."""
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for _, p in params:
         if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
+            (decay if len(full_shape(p)) >= 2 else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -43,7 +43,7 @@ STAGES = {
     "zero3": {"name": "deepspeed", "zero_stage": 3, "config": ZERO3},
     "zero2-offload": {"name": "deepspeed", "zero_stage": 2, "offload_optimizer": True},
 }
-PRECISIONS = {"32": 1e-3, "bf16-mixed": 2e-2}  # precision -> rel tolerance against DDP
+PRECISIONS = {"32": 1e-5, "bf16-mixed": 2e-2}  # precision -> rel tolerance against DDP
 CKPT_STEP = 15
 THIN = {"n_layer": 8, "d_model": 32, "n_head": 4, "block_size": 32, "max_bytes": 100_000}
 
@@ -196,7 +196,7 @@ def test_deepspeed_config_comes_from_raylift_config_and_user_keys_win() -> None:
     assert sections("32") == set()
     assert sections("16-mixed") == {"fp16"}
     assert sections("bf16-true") == {"bf16"}
-    no_clip = config_from_dict(cfg_dict({"name": "deepspeed"}))
+    no_clip = config_from_dict(cfg_dict({"name": "deepspeed"}, train={"grad_clip": None}))
     assert ds_config(no_clip, resolve_precision("32"))["gradient_clipping"] == 0.0
     # Refused when the config loads, before any worker builds DeepSpeed's config.
     with pytest.raises(ValueError, match="zero_stage to 1, 2 or 3"):

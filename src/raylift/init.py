@@ -1,8 +1,8 @@
 """Initial weights that no rank needs the whole model for.
 
 Under a strategy that shards parameters (``fsdp``, DeepSpeed ZeRO-3) the task's model
-is created without parameter storage (on the meta device, or partitioned as it is
-built under ``deepspeed.zero.Init``), sharded, and only then initialised, one module
+is created without the whole model's storage (on the meta device, or partitioned as it
+is built under ``deepspeed.zero.Init``), sharded, and only then initialised, one module
 at a time: each module's own parameters are drawn whole on the host, from the same
 seeded generator on every rank, and each rank keeps its shard. Peak extra memory is
 one module's parameters, never the model's.
@@ -13,21 +13,30 @@ model was built eagerly (``ddp``, ``fairscale``, ZeRO-1/2) or sharded first:
 1. the generator is seeded with ``train.seed``;
 2. every module with a ``reset_parameters()`` method calls it, in ``model.modules()``
    order (the order constructors run theirs);
-3. where the task defines ``init_weights(module)``, it is called for every module
-   holding parameters, in ``model.apply`` order (children first), as Hugging Face's
-   ``_init_weights`` is.
+3. an init function, called for every module holding parameters in ``model.apply``
+   order (children first): the task's ``init_weights(module)`` where it defines one,
+   else, for modules inside a Hugging Face ``PreTrainedModel``, that model's own
+   ``_init_weights`` (the nearest enclosing one, as transformers dispatches it);
+4. a parameter neither pass sets keeps the value its constructor gave it (an RMSNorm's
+   ones, a learned scale): built eagerly it never lost it; under ZeRO-3 its partitions
+   hold it; on the meta device its module's constructor value is kept on the host while
+   the model is built, for modules without ``reset_parameters`` only (their parameters
+   are small in every common model; the cost is said on the console).
 
-A task's modules must set their own parameters this way: a module that holds a
-parameter neither pass sets (say an ``nn.Parameter(torch.zeros(...))`` in a custom
-module without ``reset_parameters``) is an error under a sharded strategy, naming it.
+A parameter can be left without a value only on the meta device: one whose module has a
+``reset_parameters()`` that does not set it. That is an error naming it and the fix.
 Buffers (masks, BatchNorm statistics) keep the values their constructors gave them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
-from collections.abc import Callable, Iterator
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -35,34 +44,148 @@ from torch import nn
 
 # Writes a parameter's full value (a host tensor) into wherever that parameter lives.
 Writer = Callable[[nn.Parameter, torch.Tensor], None]
-Initializer = Callable[[Writer], None]
+Initializer = Callable[[Writer], "InitReport"]
+# id(parameter as created on the meta device) -> its constructor's value on the host
+Kept = dict[int, torch.Tensor]
 
 
 class InitError(ValueError):
     """A module's parameters cannot be initialised without the whole model."""
 
 
+@dataclasses.dataclass
+class InitReport:
+    """Which pass set how many parameters (each counted once), for the run's first lines."""
+
+    reset: int = 0  # by their module's reset_parameters()
+    custom: int = 0  # by the init function
+    custom_name: str = ""  # which: "the task's init_weights", "the model's _init_weights"
+    constructor: int = 0  # kept their constructor's value
+    held_bytes: int = 0  # host memory holding constructor values while the model was built
+
+    def describe(self, how: str) -> str:
+        counts = [(self.reset, "set by reset_parameters()")]
+        counts.append((self.custom, f"set by {self.custom_name}"))
+        counts.append((self.constructor, "keep their constructor's values"))
+        said = ", ".join(f"{n} {what}" for n, what in counts if n)
+        line = f"raylift: initial weights: {how}; parameters: {said}"
+        if self.held_bytes:
+            line += f" ({_size(self.held_bytes)} of them held on the host while building)"
+        return line
+
+
+def _size(n: int) -> str:
+    if n < 1 << 20:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def resets_itself(module: nn.Module) -> bool:
+    return callable(getattr(type(module), "reset_parameters", None))
+
+
+def _all_module_classes() -> list[type]:
+    out: list[type] = []
+    todo: list[type] = [nn.Module]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return out
+
+
 @contextlib.contextmanager
-def params_on_meta() -> Iterator[None]:
-    """Parameters registered inside land on the meta device; buffers stay real.
+def params_on_meta() -> Iterator[Kept]:
+    """Modules built inside keep their parameters on the meta device; buffers stay real.
 
-    Each parameter is still created by its constructor on the host (one at a time, then
-    dropped), so what a constructor computes into a buffer from it survives.
+    Each module's parameters move to the meta device when its own constructor returns, as
+    ``deepspeed.zero.Init`` partitions them: constructors run on real tensors and draw
+    from the generator exactly as an eager build does, and what they compute into buffers
+    survives. Peak host memory is one module's parameters. Yields the constructor values
+    kept for modules without ``reset_parameters`` (see the module docstring).
     """
-    original = nn.Module.register_parameter
+    kept: Kept = {}
+    building: set[int] = set()
+    # id(real parameter) -> (a weak reference to it, its meta twin): a parameter two
+    # modules share (tied weights) gets one twin.
+    twins: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(
-                param.detach().to("meta"), requires_grad=param.requires_grad
-            )
+    def to_meta(module: nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            twin = twins.get(id(p))
+            if twin is None or twin[0]() is not p:
+                meta = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                if not resets_itself(module):
+                    kept[id(meta)] = p.detach()
+                twin = (weakref.ref(p), meta)
+                twins[id(p)] = twin
+            module._parameters[name] = twin[1]
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
+    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(init)
+        def run(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            outermost = id(module) not in building  # a subclass's __init__ ends last
+            building.add(id(module))
+            try:
+                init(module, *args, **kwargs)
+            finally:
+                if outermost:
+                    building.discard(id(module))
+            if outermost:
+                to_meta(module)
+
+        run._raylift_unwrapped = init  # type: ignore[attr-defined]
+        return run
+
+    def patch(cls: type) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is not None and not hasattr(init, "_raylift_unwrapped"):
+            cls.__init__ = wrap(init)  # type: ignore[misc]
+
+    def on_subclass(cls: type, **kwargs: Any) -> None:  # classes defined while building
+        patch(cls)
+
+    had_hook = "__init_subclass__" in nn.Module.__dict__
+    previous = nn.Module.__dict__.get("__init_subclass__")
+    deepcopy = nn.Parameter.__deepcopy__
+
+    def copy_kept(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+        # torch's own clones (nn.TransformerEncoder's layers) deep-copy built modules.
+        out = deepcopy(param, memo)
+        if id(param) in kept:
+            kept[id(out)] = kept[id(param)]
+        return out
+
+    for cls in _all_module_classes():
+        patch(cls)
+    nn.Module.__init_subclass__ = classmethod(on_subclass)  # type: ignore[assignment]
+    nn.Parameter.__deepcopy__ = copy_kept  # type: ignore[method-assign,assignment]
     try:
-        yield
+        yield kept
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+        if had_hook:
+            nn.Module.__init_subclass__ = previous  # type: ignore[assignment]
+        else:
+            del nn.Module.__init_subclass__
+        for cls in _all_module_classes():
+            init = cls.__dict__.get("__init__")
+            if hasattr(init, "_raylift_unwrapped"):
+                cls.__init__ = init._raylift_unwrapped  # type: ignore[misc,union-attr]
+
+
+def kept_by_name(model: nn.Module, kept: Kept | None) -> dict[str, torch.Tensor]:
+    """``kept`` under the model's parameter names (all of a tied parameter's): sharding
+    replaces the parameter objects but keeps their names."""
+    if not kept:
+        return {}
+    return {
+        name: kept[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if id(p) in kept
+    }
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -119,8 +242,9 @@ def write_zero3(p: nn.Parameter, value: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def whole(module: nn.Module, write: Writer, touched: set[int]) -> Iterator[None]:
-    """``module``'s own parameters as whole host tensors while inside; written back after."""
+def whole(module: nn.Module, write: Writer, touched: dict[int, str], by: str) -> Iterator[None]:
+    """``module``'s own parameters as whole host tensors while inside; written back after,
+    each one it set recorded in ``touched`` as set ``by`` this pass."""
     swapped: dict[str, nn.Parameter] = {}
     for name, p in module._parameters.items():
         if p is not None:
@@ -138,28 +262,22 @@ def whole(module: nn.Module, write: Writer, touched: set[int]) -> Iterator[None]
             drawn = module._parameters[name]
             module._parameters[name] = original
             assert drawn is not None, f"{name} was removed during its initialisation"
-            _write_if_set(module, name, original, drawn.detach(), write, touched)
+            if _is_set(module, name, drawn.detach()):
+                write(original, drawn.detach())
+                touched[id(original)] = by
 
 
-def _write_if_set(
-    module: nn.Module,
-    name: str,
-    original: nn.Parameter,
-    drawn: torch.Tensor,
-    write: Writer,
-    touched: set[int],
-) -> None:
+def _is_set(module: nn.Module, name: str, drawn: torch.Tensor) -> bool:
     unset = torch.isnan(drawn)
     if bool(unset.all()):
-        return
+        return False
     if bool(unset.any()):
         raise InitError(
             f"{type(module).__name__}.{name}: its initialisation set only part of it or "
             "read its earlier value; raylift initialises one module at a time from an "
             "unset tensor, so draw every element (nn.init.* functions do)"
         )
-    write(original, drawn)
-    touched.add(id(original))
+    return True
 
 
 def _post_order(model: nn.Module) -> list[nn.Module]:
@@ -179,33 +297,111 @@ def _own_params(m: nn.Module) -> bool:
     return any(p is not None for p in m._parameters.values())
 
 
-def initialize(model: nn.Module, task: Any, seed: int, write: Writer, sharded: bool) -> None:
+InitFn = Callable[[nn.Module], None]
+
+
+def init_function(model: nn.Module, task: Any) -> tuple[InitFn | None, str]:
+    """The pass-3 function and its name: the task's ``init_weights``, else the
+    ``_init_weights`` of each module's nearest enclosing Hugging Face ``PreTrainedModel``."""
+    custom = getattr(task, "init_weights", None)
+    if callable(custom):
+        return custom, "the task's init_weights"
+    owners = _pretrained_owners(model)
+    if not owners:
+        return None, ""
+
+    def hf_init(module: nn.Module) -> None:
+        owner = owners.get(id(module))
+        if owner is not None:
+            owner._init_weights(module)
+
+    return hf_init, "the model's _init_weights"
+
+
+def _pretrained_owners(model: nn.Module) -> dict[int, Any]:
+    """id(module) -> the nearest PreTrainedModel holding it (itself included), for every
+    module inside one; {} where transformers is not even imported."""
+    if "transformers" not in sys.modules:
+        return {}
+    from transformers import PreTrainedModel
+
+    owners: dict[int, Any] = {}
+
+    def visit(m: nn.Module, owner: Any) -> None:
+        owner = m if isinstance(m, PreTrainedModel) else owner
+        if owner is not None:
+            owners[id(m)] = owner
+        for child in m.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return owners
+
+
+def initialize(
+    model: nn.Module,
+    task: Any,
+    seed: int,
+    write: Writer,
+    sharded: bool,
+    kept: Mapping[str, torch.Tensor] | None = None,
+) -> InitReport:
     """raylift's initial weights for ``model`` (see the module docstring).
 
-    ``sharded``: the parameters hold no values yet, so one that no pass sets is an error.
+    ``sharded``: the parameters hold no values yet (meta or partitioned). ``kept``: the
+    constructor values :func:`params_on_meta` kept, by parameter name.
     """
     torch.manual_seed(seed)
-    touched: set[int] = set()
+    touched: dict[int, str] = {}
     for m in model.modules():
         reset = getattr(m, "reset_parameters", None)
         if callable(reset) and _own_params(m):
-            with whole(m, write, touched):
+            with whole(m, write, touched, "reset"):
                 reset()
-    custom = getattr(task, "init_weights", None)
-    if callable(custom):
+    custom, name = init_function(model, task)
+    if custom is not None:
         for m in _post_order(model):
             if _own_params(m):
-                with whole(m, write, touched):
+                with whole(m, write, touched, "custom"):
                     custom(m)
-    if sharded:
-        _check_all_set(model, touched)
+    report = InitReport(custom_name=name, held_bytes=_bytes(kept))
+    report.constructor = _constructor_values(model, write, touched, sharded, kept or {})
+    report.reset = sum(by == "reset" for by in touched.values())
+    report.custom = sum(by == "custom" for by in touched.values())
+    return report
 
 
-def _check_all_set(model: nn.Module, touched: set[int]) -> None:
-    missed = [name for name, p in model.named_parameters() if id(p) not in touched]
+def _bytes(kept: Mapping[str, torch.Tensor] | None) -> int:
+    unique = {id(t): t for t in (kept or {}).values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
+def _constructor_values(
+    model: nn.Module,
+    write: Writer,
+    touched: Mapping[int, str],
+    sharded: bool,
+    kept: Mapping[str, torch.Tensor],
+) -> int:
+    """Every parameter no pass set gets its constructor's value; returns how many.
+
+    Built eagerly or partitioned by ZeRO-3 as built, a parameter holds that value
+    already; on the meta device, only where it was kept."""
+    count, missed = 0, []
+    for name, p in model.named_parameters():
+        if id(p) in touched:
+            continue
+        if name in kept:
+            write(p, kept[name])
+        elif sharded and not hasattr(p, "ds_id"):
+            missed.append(name)
+            continue
+        count += 1
     if missed:
         raise InitError(
-            f"parameter(s) {missed[:5]} are set by neither a reset_parameters() of their "
-            "module nor the task's init_weights(module); a sharded strategy creates them "
-            "without values, so give the task an init_weights(module) that sets them"
+            f"parameter(s) {missed[:5]} hold no value: a sharded strategy builds the model "
+            "without storage, and the reset_parameters() of their module does not set them "
+            "(so their constructor's values were not kept); set them in reset_parameters(), "
+            "or give the task an init_weights(module) that sets them"
         )
+    return count

@@ -11,7 +11,6 @@ logging interval (:mod:`raylift.progress`); saving and restoring is
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import random
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
-from raylift.init import initialize
+from raylift.init import InitReport, initialize, kept_by_name
 from raylift.metrics import PhaseClock, StepTimes, all_reduce_max, all_reduce_sum, peak_flops
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
@@ -82,14 +81,22 @@ def early_stop_update(
 
 
 def initial_weights(
-    model: torch.nn.Module, task: Task, seed: int, weights: str | None, sharded: bool, write: Any
-) -> None:
+    model: torch.nn.Module,
+    task: Task,
+    seed: int,
+    weights: str | None,
+    sharded: bool,
+    kept: dict[str, torch.Tensor],
+    write: Any,
+) -> InitReport:
     """The seeded initial-weights pass, then ``model.weights`` over it where given."""
-    initialize(model, task, seed, write, sharded=sharded)
+    report = initialize(model, task, seed, write, sharded=sharded, kept=kept)
+    kept.clear()  # the constructor values are in the parameters now: free the host copies
     if weights:
         from raylift.weights import load
 
         load(model, weights, write)
+    return report
 
 
 def apply_compile(model: torch.nn.Module, task: Task, mode: str = "default") -> None:
@@ -154,7 +161,7 @@ class Trainer:
         cfg, device = self.cfg, self.ctx.device
         spec = spec_for(cfg.strategy.name)
         seed_everything(cfg.train.seed)
-        with spec.create(cfg, self.precision, device):  # no storage where it shards params
+        with spec.create(cfg, self.precision, device) as kept:  # no storage where it shards
             model = self.task.build_model()
         fps = flops_per_sample(self.task, model)
         whole = cfg.train.compile and spec.compile_whole
@@ -165,10 +172,18 @@ class Trainer:
         sharded = any(p.is_meta or hasattr(p, "ds_id") for p in model.parameters())
         self.sharded_init = sharded  # created without the whole model's storage
         weights = weights_path(cfg, self.task)
-        init = functools.partial(
-            initial_weights, model, self.task, cfg.train.seed, weights, sharded
-        )
+        reports: list[InitReport] = []
+        by_name = kept_by_name(model, kept)
+        del kept
+
+        def init(write: Any) -> InitReport:
+            reports.append(
+                initial_weights(model, self.task, cfg.train.seed, weights, sharded, by_name, write)
+            )
+            return reports[-1]
+
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
+        self.ctx.log(reports[0].describe(spec.build_path if sharded else "built whole"))
         if whole:
             compiled = torch.compile(engine.model, mode=cfg.train.compile_mode)
             engine.model = cast(torch.nn.Module, compiled)  # an OptimizedModule

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 from raylift.config import merge
-from raylift.init import InitError, initialize, materialize, params_on_meta, write_in_place
+from raylift.init import (
+    InitError,
+    initialize,
+    kept_by_name,
+    materialize,
+    params_on_meta,
+    write_in_place,
+)
 from raylift.tasks import build_task
 from tests.helpers import GPT_SMALL, LocalReporter, config_from_dict, make_config, run_ranks
 
@@ -67,22 +74,64 @@ class _Bare(nn.Module):
         return self.lin(x) * self.scale @ self.mask
 
 
-def test_buffers_keep_their_values_and_unset_parameters_are_named() -> None:
-    with params_on_meta():
+class _HalfReset(nn.Module):
+    """A reset_parameters() that leaves one of its module's parameters alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(4))
+        self.gain = nn.Parameter(torch.ones(4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+
+
+def test_buffers_and_constructor_values_survive_the_meta_build() -> None:
+    with params_on_meta() as kept:
         model = _Bare()
-    assert not model.mask.is_meta
+    assert not model.mask.is_meta and model.scale.is_meta
+    named = kept_by_name(model, kept)
+    assert list(named) == ["scale"]  # lin resets itself: its values are not held
     materialize(model, torch.device("cpu"))
     assert torch.equal(model.mask, torch.tril(torch.ones(4, 4)))
-    with pytest.raises(InitError, match=r"\['scale'\].*init_weights\(module\)"):
-        initialize(model, None, 0, write_in_place, sharded=True)
+    report = initialize(model, None, 0, write_in_place, sharded=True, kept=named)
+    assert torch.equal(model.scale.detach(), torch.ones(4))
+    assert (report.reset, report.constructor, report.held_bytes) == (2, 1, 16)
 
     class Fixes:
         def init_weights(self, module: nn.Module) -> None:
             if isinstance(module, _Bare):
-                nn.init.ones_(module.scale)
+                nn.init.constant_(module.scale, 2.0)
 
-    initialize(model, Fixes(), 0, write_in_place, sharded=True)
-    assert torch.equal(model.scale.detach(), torch.ones(4))
+    report = initialize(model, Fixes(), 0, write_in_place, sharded=True, kept=named)
+    assert torch.equal(model.scale.detach(), torch.full((4,), 2.0))
+    assert (report.custom, report.custom_name) == (1, "the task's init_weights")
+
+
+def test_a_parameter_no_pass_sets_and_nothing_kept_is_named() -> None:
+    with params_on_meta() as kept:
+        model = _HalfReset()
+    assert not kept  # it resets itself: nothing held
+    materialize(model, torch.device("cpu"))
+    with pytest.raises(InitError, match=r"\['gain'\].*reset_parameters\(\).*init_weights"):
+        initialize(model, None, 0, write_in_place, sharded=True)
+    eager = _HalfReset()  # built whole, the constructor's gain simply stays
+    assert initialize(eager, None, 0, write_in_place, sharded=False).constructor == 1
+
+
+def test_params_on_meta_leaves_torch_as_it_was() -> None:
+    before = nn.Linear.__init__
+    with params_on_meta():
+
+        class Defined(nn.Module):  # a class defined while building is converted too
+            def __init__(self) -> None:
+                super().__init__()
+                self.w = nn.Parameter(torch.ones(2))
+
+        assert Defined().w.is_meta
+    assert nn.Linear.__init__ is before and "__init_subclass__" not in nn.Module.__dict__
+    assert not Defined().w.is_meta and not nn.Linear(2, 2).weight.is_meta
 
 
 # ---------------------------------------------------------------- on 2 ranks

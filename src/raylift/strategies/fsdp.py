@@ -132,6 +132,7 @@ SPEC = StrategySpec(
     build=build_fsdp,
     read_export=read_dcp_model,
     create=lambda cfg, precision, device: params_on_meta(),
+    build_path="built on the meta device, sharded, then initialised module by module",
     # Unsharded: the block running and the next one (prefetched), and one block's
     # gradients before their reduce-scatter.
     plan_rows=(

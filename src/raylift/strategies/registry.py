@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from raylift.config import Config
-from raylift.init import Initializer
+from raylift.init import Initializer, Kept
 from raylift.precision import Precision
 from raylift.strategies.base import Engine
 
@@ -25,8 +25,11 @@ from raylift.strategies.base import Engine
 Builder = Callable[
     [nn.Module, Config, Precision, torch.device, list[nn.Module], Initializer], Engine
 ]
-# (config, precision, device) -> the context the task's model is created in
-Creator = Callable[[Config, Precision, torch.device], contextlib.AbstractContextManager[None]]
+# (config, precision, device) -> the context the task's model is created in; it yields
+# the constructor values it kept (raylift.init.params_on_meta), or None
+Creator = Callable[
+    [Config, Precision, torch.device], contextlib.AbstractContextManager[Kept | None]
+]
 # a checkpoint's engine/ folder -> the plain model's state_dict
 ExportReader = Callable[[Path], dict[str, torch.Tensor]]
 
@@ -70,6 +73,8 @@ class StrategySpec:
     extras: tuple[str, ...] = ()  # pip requirements a cluster image may lack (raylift submit)
     # Sharding strategies create the model without parameter storage (raylift.init).
     create: Creator = lambda cfg, precision, device: contextlib.nullcontext()
+    # How ``create`` builds a model without its whole storage, for the run's first lines.
+    build_path: str = ""
     # train.compile compiles the built engine's model whole rather than each block: DDP,
     # whose graph dynamo splits at the gradient buckets so all-reduces still overlap
     # backward (and at world size 1 it is the plain model, compiled as by hand).

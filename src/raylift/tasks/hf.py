@@ -13,7 +13,8 @@ wins). Text comes from the ``gpt`` task's corpus reader (``corpus``, ``text_fiel
 ``block_size + 1``-token windows with an end-of-text token (the tokenizer's, else
 byte 0) between them. The transformer layers are found from the model's own
 ``_no_split_modules`` (for FSDP wrapping, activation checkpointing and compile);
-the initial weights are the model's own ``_init_weights``, applied module by module.
+the initial weights are the model's own ``_init_weights``, applied module by module
+(``raylift.init``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ class HFCausalLM(GPTTask):
                 f"task_args.model: vocab_size {self.config.vocab_size} < 256; without a "
                 "tokenizer the tokens are bytes"
             )
-        self._model: Any = None
 
     def data_version(self) -> str:
         """The corpus's version and, where a tokenizer makes the tokens, a digest of its
@@ -114,13 +114,9 @@ class HFCausalLM(GPTTask):
         return int(self.config.vocab_size)
 
     def build_model(self) -> nn.Module:
-        tf = _transformers()
-        self._model = tf.AutoModelForCausalLM.from_config(self.config)
-        return self._model
-
-    def init_weights(self, module: nn.Module) -> None:
-        """The model's own initialisation, one module at a time (raylift.init)."""
-        self._model._init_weights(module)
+        # Initialised by its own _init_weights, module by module, as any Hugging Face
+        # model a task returns is (raylift.init).
+        return _transformers().AutoModelForCausalLM.from_config(self.config)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         names = set(getattr(model, "_no_split_modules", None) or ())

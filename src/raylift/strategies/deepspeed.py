@@ -279,6 +279,11 @@ def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
         return contextlib.nullcontext()
     config = ds_config(cfg, precision)
     deepspeed = ready_deepspeed(device)
+    # zero.Init replaces torch.Tensor.__new__ while inside; torch._dynamo, imported for the
+    # first time there (transformers imports it with its models, often inside a task's
+    # build_model), checks that signature and refuses to load. Imported first, it loads.
+    import torch._dynamo  # noqa: F401
+
     offload = config["zero_optimization"].get("offload_param", {}).get("device") == "cpu"
     return deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if offload else None)
 
@@ -588,6 +593,7 @@ SPEC = StrategySpec(
     build=build_deepspeed,
     read_export=consolidated_state_dict,
     create=create,
+    build_path="partitioned as built (deepspeed.zero.Init), then initialised module by module",
     plan_rows=(
         _zero_row("zero1", 1, Shards(False, False, True), comm_rank=1),
         _zero_row("zero2", 2, Shards(False, True, True), comm_rank=3),

@@ -1,18 +1,24 @@
 """A quiet console by default: raylift's own lines, and nothing a user cannot act on.
 
 Ray, MLflow and DeepSpeed each print start-up chatter (a token-auth notice, database
-migrations, C++ core-worker lines). All of it still goes to Ray's log files under its
-session folder; the console shows it only with ``RAYLIFT_VERBOSE=1`` (``--verbose``).
-Errors are never hidden: a failed run's message is raylift's own, and Python warnings
-and tracebacks from the workers still reach the console.
+migrations, C++ core-worker lines), and torch, DeepSpeed and fairscale warn from the
+workers (ZeRO-3 about 20 deprecation warnings a step). All of it goes to Ray's log files
+under its session folder (the workers' warnings to ``raylift-warnings-<pid>.log``, each
+once); the console shows it only with ``RAYLIFT_VERBOSE=1`` (``--verbose``). Errors are
+never hidden: a failed run's message is raylift's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import re
-from typing import Any
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
 VERBOSE_ENV = "RAYLIFT_VERBOSE"
 
@@ -87,3 +93,70 @@ def filter_worker_logs() -> None:
 
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", filtered)
+
+
+def warnings_to_ray_logs(logs_dir: str | None = None) -> Path | None:
+    """In a Ray worker: Python warnings go to ``raylift-warnings-<pid>.log`` in Ray's logs
+    folder, each distinct one once, instead of to stderr, which Ray forwards to the
+    driver's console. Returns the file; None with ``--verbose`` (the console shows them)."""
+    if verbose():
+        return None
+    if logs_dir is None:
+        import ray._private.worker
+
+        node = ray._private.worker.global_worker.node
+        if node is None:  # not in a Ray worker: nothing to route them to
+            return None
+        logs_dir = node.get_logs_dir_path()
+    path = Path(logs_dir) / f"raylift-warnings-{os.getpid()}.log"
+    seen: set[tuple[Any, ...]] = set()
+
+    def to_file(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        # Libraries reset the warning registry (catch_warnings), so the same warning from
+        # the same line would come back every step: written once here.
+        key = (category, str(message), filename, lineno)
+        if key in seen:
+            return
+        seen.add(key)
+        with path.open("a") as out:
+            out.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    warnings.showwarning = to_file
+    return path
+
+
+# Loggers of libraries that write to the console from raylift's own process.
+LIBRARY_LOGGERS = ("DeepSpeed", "torch", "transformers")
+
+
+@contextlib.contextmanager
+def library_quiet() -> Iterator[None]:
+    """What libraries print, log below ERROR or warn inside this block is dropped, unless
+    ``--verbose``: DeepSpeed's checkpoint converter prints a note per step and draws
+    progress bars. Exceptions still propagate, with their messages."""
+    if verbose():
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    sink = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(sink),
+            contextlib.redirect_stderr(sink),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from raylift import storage
+from raylift import console, storage
 from raylift.config import Config
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
@@ -50,6 +50,7 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         startup.mark("worker")
     # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
     logging.getLogger().setLevel(logging.WARNING)
+    console.warnings_to_ray_logs()
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
     if rank == 0 and startup is not None and restarted(spec, startup):

@@ -64,9 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--format",
         choices=("pt", "safetensors", "hf"),
         help="torch.save state_dict, safetensors (what model.weights reads), or hf (a "
-        "from_pretrained folder; needs --config); default: from the --out suffix",
+        "from_pretrained folder, for a task whose model is a Hugging Face model); default: "
+        "from the --out suffix",
     )
-    exp.add_argument("--config", help="--format hf: the run's config (and overrides after it)")
+    exp.add_argument(
+        "--config",
+        help="--format hf: a config to use instead of the one the run recorded (and "
+        "overrides after it)",
+    )
     exp.add_argument(
         "--max-shard-size",
         default="5GB",
@@ -86,10 +91,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from raylift.export import export
 
     try:
-        if args.format == "hf":
-            ckpt, n = _export_hf(args)
-        else:
-            ckpt, n = export(Path(args.path), Path(args.out), args.format)
+        with console.library_quiet():
+            if args.format == "hf":
+                ckpt, n = _export_hf(args)
+            else:
+                ckpt, n = export(Path(args.path), Path(args.out), args.format)
     except CheckpointError as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -101,12 +107,17 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     from pathlib import Path
 
     from raylift.checkpoint import CheckpointError
-    from raylift.export import export_hf
+    from raylift.config import RUN_CONFIG, run_config_text
+    from raylift.export import export_hf, latest_checkpoint
     from raylift.tasks import build_task
 
-    if not args.config:
-        raise CheckpointError("--format hf: pass the run's config with --config CONFIG")
-    cfg = load_config(args.config, args.overrides)
+    latest_checkpoint(Path(args.path))  # a folder with no checkpoint: said first
+    if not args.config and run_config_text(args.path) is None:
+        raise CheckpointError(
+            f"--format hf: {args.path} holds no {RUN_CONFIG} (runs record the config they "
+            "ran with); pass the run's config with --config CONFIG"
+        )
+    cfg = load_config(args.config or args.path, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
     return export_hf(Path(args.path), Path(args.out), task, args.max_shard_size)
 
@@ -122,6 +133,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not results:
         print(f"raylift: no checkpoint-step* folders in {run_dir}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    print(_run_summary(args.run))
     for ckpt, problem in results:
         print(f"{ckpt.name}: {'intact' if problem is None else problem}")
     intact = [c for c, problem in results if problem is None]
@@ -132,6 +144,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"raylift: a rerun resumes from {intact[-1].name}, the newest intact one")
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _run_summary(run: str) -> str:
+    """One line naming what a run folder holds, from the config it recorded."""
+    from raylift.config import RUN_CONFIG, run_config_text
+
+    if run_config_text(run) is None:
+        return f"raylift: {run}: no {RUN_CONFIG} (a run from before runs recorded their config)"
+    cfg = load_config(run)
+    return (
+        f"raylift: {run}: run {cfg.name!r}, task {cfg.task}, strategy {cfg.strategy.name}, "
+        f"precision {cfg.precision}, {cfg.scaling.num_workers} worker(s)"
+    )
 
 
 def _run_error(exc: Exception) -> int:

@@ -469,20 +469,46 @@ def merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+RUN_CONFIG = "config.yaml"  # in every run folder: the config the run last ran with
+
+
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], list[str]]:
-    p = Path(path)
-    if not p.is_file():
+    """A YAML config file, or the config a run folder (``storage/name``, local or a URI)
+    recorded when it ran."""
+    text = run_config_text(str(path))
+    if text is None:
         return {}, [
-            f"{path}: config file not found; "
-            "pass the path to a YAML file, e.g. configs/quickstart.yaml"
+            f"{path}: config file not found; pass the path to a YAML file, e.g. "
+            f"configs/quickstart.yaml, or a run folder (storage/name) holding {RUN_CONFIG}"
         ]
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:
         return {}, [f"{path}: not valid YAML ({exc})"]
     if not isinstance(raw, dict):
         return {}, [f"{path}: the top level must be a mapping of config keys"]
     return raw, []
+
+
+def run_config_text(path: str) -> str | None:
+    """The config a run recorded: ``path`` is the run folder, one of its checkpoint
+    folders, or a YAML file (local or a URI); None where there is none."""
+    from raylift import storage
+
+    if not storage.is_remote(path) and Path(path).is_file():
+        return Path(path).read_text()
+    candidates = [storage.join(path, RUN_CONFIG), storage.join(path, "..", RUN_CONFIG)]
+    if storage.is_remote(path):
+        parent = path.rstrip("/").rsplit("/", 1)[0]
+        candidates = [path, storage.join(path, RUN_CONFIG), storage.join(parent, RUN_CONFIG)]
+    for candidate in candidates:
+        try:
+            text = storage.read_text(candidate)
+        except (OSError, ValueError):  # a remote store that cannot be reached, say
+            text = None
+        if text is not None:
+            return text
+    return None
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> Config:

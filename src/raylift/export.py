@@ -3,14 +3,16 @@
 ``--format pt`` (``torch.save``) loads into the task's plain model with
 ``model.load_state_dict(...)``; ``--format safetensors`` is what ``model.weights``
 reads, to start another run (a fine-tune, say) from this one's weights; ``--format
-hf`` (``hf-causal-lm`` runs) writes a folder ``AutoModelForCausalLM.from_pretrained``
-loads: the run's ``config.json``, safetensors sharded above ``HF_SHARD``, the
-tokenizer where the run had one.
+hf`` (a run whose model is a Hugging Face model: ``hf-causal-lm``, or a task of the
+user's that returns one) writes a folder ``AutoModelForCausalLM.from_pretrained`` loads:
+the model's ``config.json``, safetensors sharded above ``HF_SHARD``, the tokenizer where
+the task has one. The task comes from the config the run recorded in its folder.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,23 +80,38 @@ def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_config_of(task: object) -> Any:
+    """The Hugging Face config of the task's model: ``hf-causal-lm`` knows it; any other
+    task's model is built without storage to read it."""
+    known = getattr(task, "hf_config", None)
+    if callable(known):
+        return known()
+    with torch.device("meta"):
+        model = task.build_model()  # type: ignore[attr-defined]
+    config: Any = getattr(model, "config", None)
+    if not hasattr(config, "save_pretrained"):
+        raise CheckpointError(
+            f"--format hf: the run's model ({type(model).__name__}) is not a Hugging Face "
+            "model; use --format safetensors or pt"
+        )
+    # What AutoModel* loads the folder as, as save_pretrained records it.
+    config.architectures = [type(model).__name__]
+    return config
+
+
 def export_hf(
     path: Path, out: Path, task: object, max_shard_size: str | int = HF_SHARD
 ) -> tuple[Path, int]:
-    """A ``save_pretrained`` folder of an ``hf-causal-lm`` run's weights: safetensors of at
-    most ``max_shard_size`` each, with their index where there is more than one."""
+    """A ``save_pretrained`` folder of a run's Hugging Face model: its config, safetensors
+    of at most ``max_shard_size`` each (with their index where there is more than one)
+    and the tokenizer where the task has one."""
     from huggingface_hub import save_torch_state_dict
 
-    hf_config = getattr(task, "hf_config", None)
-    if hf_config is None:
-        raise CheckpointError(
-            "--format hf: the run's task is not a Hugging Face model (task: hf-causal-lm); "
-            "use --format safetensors or pt"
-        )
+    hf_config = hf_config_of(task)
     ckpt = latest_checkpoint(path)
     state = consolidated_state_dict(ckpt)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config().save_pretrained(out)
+    hf_config.save_pretrained(out)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -318,6 +318,7 @@ def _train(
     shards, cache = prepare_data(cfg, log, startup)
     cfg = resolve_auto(cfg, log)
     startup.mark("auto")
+    record_config(cfg, storage.join(where, cfg.name))
     tags = dict(extra_tags or {})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -343,6 +344,19 @@ def _train(
         raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
     tracking.end_run(uri, run_id, "FINISHED", final)
     return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
+
+
+def record_config(cfg: Config, run_dir: str) -> None:
+    """The config as this run runs it (overrides applied, ``auto`` resolved, storage made
+    absolute, secrets masked) in its folder: ``export``, ``verify`` and ``doctor`` read
+    it from there, and a later command can name the folder instead of the YAML."""
+    import yaml
+
+    from raylift.config import RUN_CONFIG
+
+    ran = dataclasses.replace(cfg, storage=storage.resolve(cfg.storage))
+    text = yaml.safe_dump(tracking.redact_tree(ran.to_dict()), sort_keys=False)
+    storage.write_text(storage.join(run_dir, RUN_CONFIG), text)
 
 
 def prepare_data(

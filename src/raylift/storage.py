@@ -53,3 +53,22 @@ def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     if is_remote(path):
         return pafs.FileSystem.from_uri(path)
     return pafs.LocalFileSystem(), resolve(path)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (a local path or a URI), replacing what was there."""
+    fs, where = filesystem(path)
+    fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(where) as out:
+        out.write(text.encode())
+
+
+def read_text(path: str) -> str | None:
+    """The text at ``path`` (a local path or a URI); None where no file is there."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    if fs.get_file_info(where).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(where) as f:
+        return bytes(f.read()).decode()

@@ -6,11 +6,14 @@ run: the run carries a ``raylift.run_key`` tag made of both.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import re
+import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -109,7 +112,40 @@ def start_run(
 
     ``extra_tags`` may carry ``mlflow.parentRunId``: a sweep's trials are its children.
     """
-    uri, key = tracking_uri(cfg), run_key(cfg, storage)
+    uri = tracking_uri(cfg)
+    with one_at_a_time(uri):
+        return _start_run(cfg, uri, run_key(cfg, storage), resume, world_size, extra_tags)
+
+
+@contextlib.contextmanager
+def one_at_a_time(uri: str) -> Iterator[None]:
+    """Processes on this host open a sqlite store one at a time while inside: MLflow
+    creates and migrates a new database on first use, and two commands started together
+    in one folder (a sweep beside a run) would migrate it at once and one would fail;
+    so would two creating the same experiment. Servers need no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = uri.removeprefix("sqlite:///")
+    name = hashlib.sha1(db.encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"raylift-mlflow-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _start_run(
+    cfg: Config,
+    uri: str,
+    key: str,
+    resume: bool,
+    world_size: int,
+    extra_tags: Mapping[str, str] | None,
+) -> str:
     mlflow = client(uri)
     from mlflow.entities import Param, RunTag
 

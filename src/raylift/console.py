@@ -67,32 +67,59 @@ def ray_logging_level() -> int:
     return logging.INFO if verbose() else logging.ERROR
 
 
-def filter_worker_logs() -> None:
-    """Drop Ray's C++ log lines from what the workers' output forwards to this console.
+# What Ray's own processes (not the run's workers) push to the driver: the raylet's
+# warnings ("N worker processes have been started ... high concurrency"), the autoscaler's
+# status. They are written to a file in Ray's logs folder instead of the console.
+RAY_PROCESSES = ("raylet", "autoscaler", "gcs_server")
 
-    Ray offers no setting for this: its driver prints whatever its log monitor reads, so
-    the dispatcher's print handler is swapped for one that filters. If Ray's internals
-    moved, the console stays as Ray left it.
+
+def filter_worker_logs() -> None:
+    """Keep Ray's own lines off what this driver prints of the cluster's output.
+
+    Ray offers no setting for this: its driver prints whatever its log monitor reads and
+    whatever Ray's processes publish, so both of its print paths are swapped for one that
+    filters: C++ log lines are dropped (they are in Ray's log files), and the messages of
+    Ray's own processes go to ``raylift-ray-messages-<pid>.log`` in Ray's logs folder. If
+    Ray's internals moved, the console stays as Ray left it.
     """
     if verbose():
         return
     try:
+        import ray._private.worker as ray_worker
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
     except ImportError:
         return
     found = [h for name, h in getattr(dispatcher, "handlers", []) if name == "ray_print_logs"]
-    if len(found) != 1:
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if len(found) != 1 or original is None or hasattr(original, "_raylift_original"):
         return
     printer = found[0]
+    node = ray_worker.global_worker.node
+    if node is None:  # not connected: nothing is forwarded yet
+        return
+    messages = Path(node.get_logs_dir_path()) / f"raylift-ray-messages-{os.getpid()}.log"
 
-    def filtered(data: dict[str, Any]) -> None:
+    def kept(data: dict[str, Any]) -> dict[str, Any] | None:
+        if data.get("pid") in RAY_PROCESSES:
+            with messages.open("a") as out:
+                out.writelines(f"({data.get('pid')}) {line}\n" for line in data.get("lines", []))
+            return None
         # Blank lines too: a worker's flush can forward one, between raylift's lines.
         lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
-        if lines:
-            printer({**data, "lines": lines})
+        return {**data, "lines": lines} if lines else None
 
+    def filtered(data: dict[str, Any]) -> None:
+        if (shown := kept(data)) is not None:
+            printer(shown)
+
+    def published(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if (shown := kept(data)) is not None:
+            original(shown, ignore_prefix)
+
+    published._raylift_original = original  # type: ignore[attr-defined]
     dispatcher.remove_handler("ray_print_logs")
     dispatcher.add_handler("ray_print_logs", filtered)
+    ray_worker.print_to_stdstream = published  # Ray's error listener calls it by name
 
 
 def warnings_to_ray_logs(logs_dir: str | None = None) -> Path | None:

@@ -1,0 +1,137 @@
+"""A user's own models from a folder outside the repository, trained with ``raylift train``
+under every strategy on the session's Ray: the curves agree in fp32, every console line is
+raylift's, and the run exports to a ``from_pretrained`` folder without its config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.test_train import OURS, cli_env
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.integration
+
+USER_FILE = Path(__file__).resolve().parents[1] / "user_models.py"
+CONFIG = """
+    task: mymodels:{task}
+    data: {{batch_size: 8}}
+    scaling: {{num_workers: 2, cpus_per_worker: 0.5}}   # three runs at once on 4 CPUs
+    precision: "32"
+    optim: {{name: adamw, lr: 3.0e-3, weight_decay: 0.1, betas: [0.9, 0.95], warmup_steps: 5}}
+    train: {{max_steps: 30, log_every_n_steps: 1, grad_clip: 1.0, seed: 0}}
+    checkpoint: {{every_n_steps: 30, keep: 1}}
+    storage: ./runs
+"""
+# Batches of runs started together, name -> (task, strategy overrides). The first batch
+# prepares each task's shards (one run per task), the rest reuse them. Llama's three runs
+# are compared; NormLM's show the other strategies' consoles (tests/unit compares its curves).
+BATCHES = [
+    {
+        "llama-ddp": ("LlamaLM", ["strategy.name=ddp"]),
+        "norm-fairscale": ("NormLM", ["strategy.name=fairscale"]),
+    },
+    {
+        "llama-fsdp": ("LlamaLM", ["strategy.name=fsdp"]),
+        "llama-zero3": ("LlamaLM", ["strategy.name=deepspeed", "strategy.zero_stage=3"]),
+        "norm-zero2": ("NormLM", ["strategy.name=deepspeed", "strategy.zero_stage=2"]),
+    },
+]
+
+
+def raylift(folder: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "raylift.cli", *args],
+        cwd=folder, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, name: str) -> list[str]:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{name}:\n{out[-3000:]}\n{err[-3000:]}"
+    return (out + err).splitlines()
+
+
+@pytest.fixture(scope="module")
+def user_runs(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """Each run's console lines, in batches of runs started together."""
+    folder = tmp_path_factory.mktemp("user")  # under /tmp: outside the repository
+    shutil.copy(USER_FILE, folder / "mymodels.py")
+    for task in ("LlamaLM", "NormLM"):
+        (folder / f"{task}.yaml").write_text(textwrap.dedent(CONFIG.format(task=task)))
+    consoles: dict[str, list[str]] = {}
+    for batch in BATCHES:
+        procs = {
+            name: raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
+            for name, (task, overrides) in batch.items()
+        }
+        consoles.update({name: finish(p, name) for name, p in procs.items()})
+    return folder, consoles
+
+
+def curve(folder: Path, name: str) -> dict[int, float]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("raylift").experiment_id
+    (run,) = client.search_runs([experiment], f"tags.mlflow.runName = '{name}'")
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
+
+
+def test_every_strategy_trains_a_users_llama_on_ddps_curve(user_runs: tuple) -> None:
+    folder, _ = user_runs
+    ref = curve(folder, "llama-ddp")
+    assert sorted(ref) == list(range(1, 31)) and ref[30] < 0.8 * ref[1]
+    for name in ("llama-fsdp", "llama-zero3"):
+        got = curve(folder, name)
+        worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
+        assert worst < 1e-5, (name, worst)
+
+
+def test_every_console_line_is_raylifts(user_runs: tuple) -> None:
+    _, consoles = user_runs
+    for name, lines in consoles.items():
+        foreign = [line for line in lines if not line.startswith(OURS)]
+        assert not foreign, (name, foreign)
+        # How the initial weights were made, said once: sharded builds and what they held.
+        (init,) = [line for line in lines if line.startswith("raylift: initial weights:")]
+        if name == "llama-fsdp":
+            assert "meta device" in init and "by the model's _init_weights" in init, init
+            assert "held on the host while building" in init, init
+        if name.startswith("norm"):
+            assert "keep their constructor's values" in init, init
+
+
+def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
+    user_runs: tuple,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from raylift.export import consolidated_state_dict
+
+    folder, _ = user_runs
+    run = folder / "runs" / "llama-zero3"
+    assert (run / "config.yaml").is_file()
+    proc = raylift(folder, "export", "runs/llama-zero3", "--format", "hf", "--out", "hf")
+    lines = finish(proc, "export")
+    assert lines == [f"raylift: wrote 20 tensors (fp32) from {run.relative_to(folder)}"
+                     f"/checkpoint-step00000030 to hf"], lines  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(folder / "hf", local_files_only=True).eval()
+    sys.path.insert(0, str(folder))
+    try:
+        from mymodels import LlamaLM  # the user's file, as the run imported it
+    finally:
+        sys.path.remove(str(folder))
+    ours = LlamaLM().build_model().eval()
+    ours.load_state_dict(consolidated_state_dict(run), strict=False)  # the tied head once
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded(input_ids=tokens).logits, ours(input_ids=tokens).logits, rtol=0, atol=0
+        )

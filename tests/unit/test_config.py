@@ -119,3 +119,25 @@ def test_elastic_runs_keep_the_global_batch_by_accumulating_more() -> None:
     assert elastic_accum(fixed, 1) == 3  # a fixed-size run keeps what the config says
     with pytest.raises(ConfigError, match=r"\[2\] worker\(s\) cannot divide"):
         make_config(scaling={"num_workers": [1, 3]})
+
+
+def test_a_run_folder_records_the_config_it_ran_with(tmp_path: Path) -> None:
+    """Overrides applied, storage absolute, secrets masked; the folder (or one of its
+    checkpoints) then loads as a config."""
+    from raylift.launch import record_config
+
+    cfg = load_config(
+        REPO / "configs" / "gpt-zero3.yaml",
+        ["name=rec", "optim.lr=1e-3", "strategy.config={wandb: {api_key: s3cret}}"],
+    )
+    run = tmp_path / "runs" / "rec"
+    record_config(cfg, str(run))
+    text = (run / "config.yaml").read_text()
+    assert "s3cret" not in text and "api_key: '***'" in text
+    (run / "checkpoint-step00000010").mkdir()
+    for where in (run, run / "checkpoint-step00000010"):
+        got = load_config(where)
+        assert got.optim.lr == 1e-3 and got.strategy.zero_stage == 3
+        assert got.storage == str(Path.cwd() / "runs")  # ./runs, resolved where it ran
+    with pytest.raises(ConfigError, match="or a run folder"):
+        load_config(tmp_path / "runs")

@@ -94,36 +94,59 @@ def _all_module_classes() -> list[type]:
     return out
 
 
-@contextlib.contextmanager
-def params_on_meta() -> Iterator[Kept]:
+class params_on_meta:  # lower case: it reads as the function it replaced, ``with params_on_meta()``
     """Modules built inside keep their parameters on the meta device; buffers stay real.
 
     Each module's parameters move to the meta device when its own constructor returns, as
     ``deepspeed.zero.Init`` partitions them: constructors run on real tensors and draw
     from the generator exactly as an eager build does, and what they compute into buffers
-    survives. Peak host memory is one module's parameters. Yields the constructor values
-    kept for modules without ``reset_parameters`` (see the module docstring).
+    survives. Peak host memory is one module's parameters. ``with`` gives the constructor
+    values kept for modules without ``reset_parameters`` (see the module docstring).
     """
-    kept: Kept = {}
-    building: set[int] = set()
-    # id(real parameter) -> (a weak reference to it, its meta twin): a parameter two
-    # modules share (tied weights) gets one twin.
-    twins: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
 
-    def to_meta(module: nn.Module) -> None:
-        for name, p in list(module._parameters.items()):
-            if p is None or p.is_meta:
-                continue
-            twin = twins.get(id(p))
-            if twin is None or twin[0]() is not p:
-                meta = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-                if not resets_itself(module):
-                    kept[id(meta)] = p.detach()
-                twin = (weakref.ref(p), meta)
-                twins[id(p)] = twin
-            module._parameters[name] = twin[1]
+    def __init__(self) -> None:
+        self.kept: Kept = {}
+        self._building: set[int] = set()
+        # id(real parameter) -> (a weak reference to it, its meta twin): a parameter two
+        # modules share (tied weights) gets one twin.
+        self._twins: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+        self._deepcopy = nn.Parameter.__deepcopy__
+        self._had_hook = "__init_subclass__" in nn.Module.__dict__
+        self._hook = nn.Module.__dict__.get("__init_subclass__")
 
-    def wrap(init: Callable[..., None]) -> Callable[..., None]:
+    def __enter__(self) -> Kept:
+        for cls in _all_module_classes():
+            self._patch(cls)
+        nn.Module.__init_subclass__ = classmethod(self._on_subclass)  # type: ignore[assignment]
+
+        def copy_kept(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+            return self._copy_kept(param, memo)  # called as the parameter's method
+
+        nn.Parameter.__deepcopy__ = copy_kept  # type: ignore[method-assign,assignment]
+        return self.kept
+
+    def __exit__(self, *exc: object) -> None:
+        nn.Parameter.__deepcopy__ = self._deepcopy  # type: ignore[method-assign]
+        if self._had_hook:
+            nn.Module.__init_subclass__ = self._hook  # type: ignore[assignment]
+        else:
+            del nn.Module.__init_subclass__
+        for cls in _all_module_classes():
+            init = cls.__dict__.get("__init__")
+            if hasattr(init, "_raylift_unwrapped"):
+                cls.__init__ = init._raylift_unwrapped  # type: ignore[misc,union-attr]
+
+    def _on_subclass(self, cls: type, **kwargs: Any) -> None:  # classes defined while building
+        self._patch(cls)
+
+    def _patch(self, cls: type) -> None:
+        init = cls.__dict__.get("__init__")
+        if init is not None and not hasattr(init, "_raylift_unwrapped"):
+            cls.__init__ = self._wrap(init)  # type: ignore[misc]
+
+    def _wrap(self, init: Callable[..., None]) -> Callable[..., None]:
+        building = self._building
+
         @functools.wraps(init)
         def run(module: nn.Module, *args: Any, **kwargs: Any) -> None:
             outermost = id(module) not in building  # a subclass's __init__ ends last
@@ -134,46 +157,29 @@ def params_on_meta() -> Iterator[Kept]:
                 if outermost:
                     building.discard(id(module))
             if outermost:
-                to_meta(module)
+                self._to_meta(module)
 
         run._raylift_unwrapped = init  # type: ignore[attr-defined]
         return run
 
-    def patch(cls: type) -> None:
-        init = cls.__dict__.get("__init__")
-        if init is not None and not hasattr(init, "_raylift_unwrapped"):
-            cls.__init__ = wrap(init)  # type: ignore[misc]
+    def _to_meta(self, module: nn.Module) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            twin = self._twins.get(id(p))
+            if twin is None or twin[0]() is not p:
+                meta = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+                if not resets_itself(module):
+                    self.kept[id(meta)] = p.detach()
+                twin = self._twins[id(p)] = (weakref.ref(p), meta)
+            module._parameters[name] = twin[1]
 
-    def on_subclass(cls: type, **kwargs: Any) -> None:  # classes defined while building
-        patch(cls)
-
-    had_hook = "__init_subclass__" in nn.Module.__dict__
-    previous = nn.Module.__dict__.get("__init_subclass__")
-    deepcopy = nn.Parameter.__deepcopy__
-
-    def copy_kept(param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
+    def _copy_kept(self, param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
         # torch's own clones (nn.TransformerEncoder's layers) deep-copy built modules.
-        out = deepcopy(param, memo)
-        if id(param) in kept:
-            kept[id(out)] = kept[id(param)]
+        out = self._deepcopy(param, memo)
+        if id(param) in self.kept:
+            self.kept[id(out)] = self.kept[id(param)]
         return out
-
-    for cls in _all_module_classes():
-        patch(cls)
-    nn.Module.__init_subclass__ = classmethod(on_subclass)  # type: ignore[assignment]
-    nn.Parameter.__deepcopy__ = copy_kept  # type: ignore[method-assign,assignment]
-    try:
-        yield kept
-    finally:
-        nn.Parameter.__deepcopy__ = deepcopy  # type: ignore[method-assign]
-        if had_hook:
-            nn.Module.__init_subclass__ = previous  # type: ignore[assignment]
-        else:
-            del nn.Module.__init_subclass__
-        for cls in _all_module_classes():
-            init = cls.__dict__.get("__init__")
-            if hasattr(init, "_raylift_unwrapped"):
-                cls.__init__ = init._raylift_unwrapped  # type: ignore[misc,union-attr]
 
 
 def kept_by_name(model: nn.Module, kept: Kept | None) -> dict[str, torch.Tensor]:

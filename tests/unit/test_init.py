@@ -199,3 +199,34 @@ def test_sharded_strategies_start_from_the_eager_weights(tmp_path: Path) -> None
         # each rank stores about half: its shards, never the whole model
         assert found[name]["local"] <= 0.55 * total, (name, found[name]["local"], total)
     assert found["ddp"]["local"] == total
+
+
+class _Encoder(nn.Module):
+    """torch's encoder deep-copies its layer (whose attention has no reset_parameters), a
+    scale drawn by the constructor, a tied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.layers = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.scale = nn.Parameter(1 + 0.1 * torch.randn(16))
+        self.head = nn.Linear(16, 64, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_constructor_values_of_cloned_and_random_parameters_match_the_eager_build() -> None:
+    torch.manual_seed(0)
+    eager_model = _Encoder()
+    initialize(eager_model, None, 0, write_in_place, sharded=False)
+    torch.manual_seed(0)
+    with params_on_meta() as kept:
+        shell = _Encoder()
+    named = kept_by_name(shell, kept)
+    assert "layers.layers.1.self_attn.in_proj_weight" in named  # a clone's, kept too
+    materialize(shell, torch.device("cpu"))
+    initialize(shell, None, 0, write_in_place, sharded=True, kept=named)
+    ref = eager_model.state_dict()
+    for k, v in shell.state_dict().items():
+        torch.testing.assert_close(v, ref[k], rtol=0, atol=0, msg=k)
+    assert shell.head.weight is shell.emb.weight

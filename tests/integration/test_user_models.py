@@ -4,16 +4,18 @@ raylift's, and the run exports to a ``from_pretrained`` folder without its confi
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_train import OURS, cli_env
+from tests.integration.test_train import OURS, STARTUP_KEYS, cli_env
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration
@@ -66,26 +68,32 @@ def user_runs(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> tup
     for task in ("LlamaLM", "NormLM"):
         (folder / f"{task}.yaml").write_text(textwrap.dedent(CONFIG.format(task=task)))
     consoles: dict[str, list[str]] = {}
+    started: dict[str, float] = {}
     for batch in BATCHES:
-        procs = {
-            name: raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
-            for name, (task, overrides) in batch.items()
-        }
+        procs = {}
+        for name, (task, overrides) in batch.items():
+            started[name] = time.time()
+            procs[name] = raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
         consoles.update({name: finish(p, name) for name, p in procs.items()})
-    return folder, consoles
+    return folder, consoles, started
 
 
-def curve(folder: Path, name: str) -> dict[int, float]:
+def mlflow_run(folder: Path, name: str) -> tuple:  # type: ignore[type-arg]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("raylift").experiment_id
     (run,) = client.search_runs([experiment], f"tags.mlflow.runName = '{name}'")
+    return client, run
+
+
+def curve(folder: Path, name: str) -> dict[int, float]:
+    client, run = mlflow_run(folder, name)
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
 
 
 def test_every_strategy_trains_a_users_llama_on_ddps_curve(user_runs: tuple) -> None:
-    folder, _ = user_runs
+    folder, _, _ = user_runs
     ref = curve(folder, "llama-ddp")
     assert sorted(ref) == list(range(1, 31)) and ref[30] < 0.8 * ref[1]
     for name in ("llama-fsdp", "llama-zero3"):
@@ -95,7 +103,7 @@ def test_every_strategy_trains_a_users_llama_on_ddps_curve(user_runs: tuple) -> 
 
 
 def test_every_console_line_is_raylifts(user_runs: tuple) -> None:
-    _, consoles = user_runs
+    _, consoles, _ = user_runs
     for name, lines in consoles.items():
         foreign = [line for line in lines if not line.startswith(OURS)]
         assert not foreign, (name, foreign)
@@ -115,7 +123,7 @@ def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
 
     from raylift.export import consolidated_state_dict
 
-    folder, _ = user_runs
+    folder, _, _ = user_runs
     run = folder / "runs" / "llama-zero3"
     assert (run / "config.yaml").is_file()
     proc = raylift(folder, "export", "runs/llama-zero3", "--format", "hf", "--out", "hf")
@@ -135,3 +143,16 @@ def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
         torch.testing.assert_close(
             loaded(input_ids=tokens).logits, ours(input_ids=tokens).logits, rtol=0, atol=0
         )
+
+
+def test_the_startup_phases_add_up_to_the_time_to_the_first_step(user_runs: tuple) -> None:
+    """Measured from the command's start (its data prepared in the run, beside another)."""
+    folder, consoles, started = user_runs
+    run_id = re.search(r"MLflow run (\w+)", "\n".join(consoles["llama-ddp"])).group(1)  # type: ignore[union-attr]
+    client, run = mlflow_run(folder, "llama-ddp")
+    assert run.info.run_id == run_id
+    (first,) = client.get_metric_history(run_id, "model_state_bytes_per_rank")
+    measured = first.timestamp / 1000 - started["llama-ddp"]
+    phases = sum(v for k, v in run.data.metrics.items() if k in STARTUP_KEYS)
+    assert phases == pytest.approx(measured, rel=0.10), run.data.metrics
+    assert phases == pytest.approx(run.data.metrics["startup/total_s"], rel=1e-6)

@@ -62,9 +62,73 @@ def ray_jobs(ray_cluster: str) -> str:
     return SESSION["dashboard"]
 
 
+BUCKETS = ("runs", "data")
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[str]:
-    """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing at it."""
+def s3_server() -> Iterator[str]:
+    """An S3 server on 127.0.0.1 (moto's server mode, as Ray's own storage tests use) with
+    the buckets ``runs`` and ``data``; the AWS variables point this process, and every
+    process it starts (the session's Ray too), at it. Stopped by its pid."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    exe = str(Path(sys.executable).with_name("moto_server"))
+    server = subprocess.Popen(
+        [exe, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                server.kill()
+                raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
+            time.sleep(0.2)
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+    }
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    s3 = boto3.client("s3")
+    for bucket in BUCKETS:
+        s3.create_bucket(Bucket=bucket)
+    try:
+        yield endpoint
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(s3_server: str) -> Iterator[str]:
+    """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing
+    at it; started after the S3 server, so its workers reach it too."""
     import ray
 
     from raylift.launch import WORKER_ENV

@@ -19,6 +19,7 @@ CRC-32): checking what was just written costs a few percent of writing it
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import random
 import re
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from raylift import storage
 from raylift.context import WorkerContext
 from raylift.strategies.base import Engine
 
@@ -84,34 +86,23 @@ def save_checkpoint(directory: Path, engine: Engine, loop_state: dict[str, Any],
     (directory / _done_file(rank)).write_text(json.dumps(listed, indent=0))
 
 
-DIGEST_WINDOW = 64 << 20  # bytes mapped at a time: the checksum's memory, whatever the file's size
-
-
-def file_digest(path: Path) -> str:
-    """xxh3-64 of a file's bytes, read through a memory map one window at a time.
-
-    A map has no copy into Python, but its pages count in the process's resident set
-    (and a container's memory limit) until it is unmapped: mapped whole, a rank's largest
-    checkpoint file would add its size to the rank's peak memory."""
-    import mmap
-
+def file_digest(path: str | Path) -> str:
+    """xxh3-64 of a file's bytes, local or in an object store, read one chunk at a time:
+    the checksum's memory is one chunk (64 MiB), whatever the file's size."""
     import xxhash
 
     digest = xxhash.xxh3_64()
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        for offset in range(0, size, DIGEST_WINDOW):
-            length = min(DIGEST_WINDOW, size - offset)
-            with mmap.mmap(f.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as view:
-                digest.update(view)
+    for chunk in storage.read_chunks(str(path)):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
-Verifier = Callable[[Path], None]
+Verifier = Callable[[str], None]
 
 
-def verify_checkpoint(directory: Path, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise :class:`CheckpointError` unless every rank finished writing ``directory``.
+def verify_checkpoint(directory: str, share: tuple[int, int] = (0, 1)) -> None:
+    """Raise :class:`CheckpointError` unless every rank finished writing ``directory``
+    (a local folder or a URI).
 
     Pure file checks. Every file's size is checked; its checksum only where it falls in
     ``share`` (``(index, count)``: every ``count``-th file from the ``index``-th), so the
@@ -119,23 +110,24 @@ def verify_checkpoint(directory: Path, share: tuple[int, int] = (0, 1)) -> None:
     """
     state = read_loop_state(directory)
     world = int(state.get("world_size", 1))
+    sizes = dict(storage.files_under(directory))  # one listing for every size check
     for rank in range(world):
-        done = directory / _done_file(rank)
-        if not done.is_file():
+        done = _done_file(rank)
+        text = storage.read_text(storage.join(directory, done))
+        if text is None:
             raise CheckpointError(
                 f"checkpoint {directory} is incomplete: rank {rank} of {world} never "
-                f"finished writing it ({done.name} is missing)"
+                f"finished writing it ({done} is missing)"
             )
         try:
-            listed_files = json.loads(done.read_text())
+            listed_files = json.loads(text)
         except ValueError as exc:  # cut off mid-write: a disk that filled up, a killed copy
             raise CheckpointError(
-                f"checkpoint {directory} is incomplete: rank {rank}'s {done.name} is "
-                f"unreadable ({exc})"
+                f"checkpoint {directory} is incomplete: rank {rank}'s {done} is unreadable ({exc})"
             ) from exc
         for i, (name, listed) in enumerate(sorted(listed_files.items())):
             mine = (i + rank) % share[1] == share[0]  # each rank's files spread over readers
-            _verify_file(directory, name, listed, rank, digest=mine)
+            _verify_file(directory, name, listed, sizes.get(name), rank, digest=mine)
 
 
 def verify_together(rank: int, world: int) -> Verifier:
@@ -147,7 +139,7 @@ def verify_together(rank: int, world: int) -> Verifier:
     if world == 1:
         return verify_checkpoint
 
-    def verify(directory: Path) -> None:
+    def verify(directory: str) -> None:
         import torch.distributed as dist
 
         try:
@@ -164,42 +156,43 @@ def verify_together(rank: int, world: int) -> Verifier:
     return verify
 
 
-def _verify_file(directory: Path, name: str, listed: Any, rank: int, digest: bool) -> None:
-    """Size first (free), then the checksum; lists from before checksums hold sizes only."""
+def _verify_file(
+    directory: str, name: str, listed: Any, have: int | None, rank: int, digest: bool
+) -> None:
+    """Size first (free: from the listing), then the checksum; lists from before
+    checksums hold sizes only."""
     size, xxh3 = (listed, None) if isinstance(listed, int) else (listed["size"], listed["xxh3"])
-    path = directory / name
-    have = path.stat().st_size if path.is_file() else None
     if have != size:
         raise CheckpointError(
             f"checkpoint {directory} is incomplete: {name} has "
             f"{'no file' if have is None else f'{have} bytes'}, rank {rank} wrote {size}"
         )
-    if digest and xxh3 is not None and file_digest(path) != xxh3:
+    if digest and xxh3 is not None and file_digest(storage.join(directory, name)) != xxh3:
         raise CheckpointError(
             f"checkpoint {directory} is corrupt: {name} does not match the checksum rank "
             f"{rank} recorded when it wrote it (same size, different content)"
         )
 
 
-def checkpoint_step(path: Path) -> int:
-    match = re.fullmatch(r"checkpoint-step(\d+)", path.name)
+def checkpoint_step(path: str | Path) -> int:
+    match = re.fullmatch(r"checkpoint-step(\d+)", storage.name(str(path)))
     return int(match.group(1)) if match else -1
 
 
 def resume_point(
-    latest: Path, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
-) -> Path:
+    latest: str, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
+) -> str:
     """``latest`` if it is complete, else the newest complete checkpoint before it.
 
-    Ray hands the worker its latest registered checkpoint; one whose write was cut
-    off, or that was damaged since, is reported and skipped rather than loaded.
+    A checkpoint whose write was cut off, or that was damaged since, is reported and
+    skipped rather than loaded.
     """
     try:
         verify(latest)
         return latest
     except CheckpointError as exc:
         log(f"raylift: {exc}; looking for the previous complete checkpoint")
-    for candidate in reversed(checkpoint_dirs(latest.parent)):
+    for candidate in reversed(checkpoint_dirs(storage.parent(latest))):
         if checkpoint_step(candidate) >= checkpoint_step(latest):
             continue
         try:
@@ -210,19 +203,21 @@ def resume_point(
         log(f"raylift: resuming from {candidate}, the newest complete checkpoint")
         return candidate
     raise CheckpointError(
-        f"no complete checkpoint to resume from beside {latest}; delete {latest.parent} to "
-        "start over, or start a new run under another name"
+        f"no complete checkpoint to resume from beside {latest}; delete "
+        f"{storage.parent(latest)} to start over, or start a new run under another name"
     )
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """A run folder's ``checkpoint-step*`` folders, oldest first."""
-    return sorted((p for p in run_dir.glob("checkpoint-step*") if p.is_dir()), key=checkpoint_step)
+def checkpoint_dirs(run_dir: str) -> list[str]:
+    """A run folder's ``checkpoint-step*`` folders (local or URIs, as ``run_dir`` is),
+    oldest first."""
+    names = [n for n in storage.children(run_dir) if checkpoint_step(n) >= 0]
+    return [storage.join(run_dir, n) for n in sorted(names, key=checkpoint_step)]
 
 
-def verify_run(run_dir: Path) -> list[tuple[Path, str | None]]:
+def verify_run(run_dir: str) -> list[tuple[str, str | None]]:
     """Every checkpoint of a run folder, oldest first, with its problem (None: intact)."""
-    out: list[tuple[Path, str | None]] = []
+    out: list[tuple[str, str | None]] = []
     for ckpt in checkpoint_dirs(run_dir):
         try:
             verify_checkpoint(ckpt)
@@ -233,14 +228,15 @@ def verify_run(run_dir: Path) -> list[tuple[Path, str | None]]:
 
 
 def newest_complete(
-    run_dir: Path, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
-) -> Path | None:
-    """The newest complete checkpoint in a local run folder, or None if it has none.
+    run_dir: str, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
+) -> str | None:
+    """The newest complete checkpoint in a run folder (local or a URI), or None if it has none.
 
     Ray registers a checkpoint only after its controller polls the report; a worker
-    killed in between leaves a complete checkpoint that Ray does not hand back.
+    killed in between leaves a complete checkpoint that Ray does not hand back, so the
+    folder, not Ray's record, says where a run resumes.
     """
-    found = [p for p in checkpoint_dirs(run_dir) if (p / LOOP_FILE).is_file()]
+    found = [p for p in checkpoint_dirs(run_dir) if storage.is_file(storage.join(p, LOOP_FILE))]
     if not found:
         return None
     try:
@@ -249,15 +245,15 @@ def newest_complete(
         return None
 
 
-def read_loop_state(directory: Path) -> dict[str, Any]:
-    path = directory / LOOP_FILE
-    if not path.is_file():
+def read_loop_state(directory: str | Path) -> dict[str, Any]:
+    data = storage.read_bytes(storage.join(str(directory), LOOP_FILE))
+    if data is None:
         raise CheckpointError(
             f"checkpoint {directory} is incomplete ({LOOP_FILE} is missing); delete that folder "
             "to resume from the previous checkpoint, or start a new run under another name"
         )
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {directory} is corrupt ({LOOP_FILE}: {exc}); delete that folder to "
@@ -331,14 +327,15 @@ class Checkpointer:
         """Load the engine and this rank's RNG; the loop state saved with them."""
         return load_checkpoint(directory, self.engine, self.ctx.rank, self.strategy)
 
-    def record_restart(self, directory: Path, state: LoopState, saved_world: int) -> None:
+    def record_restart(self, directory: str, state: LoopState, saved_world: int) -> None:
         """One ``restarts`` metric and one tag per resume, and a line that says from where."""
         now = self.ctx.world_size
         self.ctx.tracker.log_metrics({"restarts": float(state.restarts)}, state.step)
         self.ctx.tracker.set_tags(
             {
                 f"raylift.restart.{state.restarts}": (
-                    f"step {state.step} from {directory.name}: {saved_world} -> {now} workers"
+                    f"step {state.step} from {storage.name(directory)}: "
+                    f"{saved_world} -> {now} workers"
                 )
             }
         )

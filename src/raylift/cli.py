@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from raylift import console
+from raylift import console, storage
 from raylift.config import ConfigError, EnvironmentProblem, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -95,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             if args.format == "hf":
                 ckpt, n = _export_hf(args)
             else:
-                ckpt, n = export(Path(args.path), Path(args.out), args.format)
+                ckpt, n = export(args.path, Path(args.out), args.format)
     except CheckpointError as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -108,10 +108,10 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
 
     from raylift.checkpoint import CheckpointError
     from raylift.config import RUN_CONFIG, run_config_text
-    from raylift.export import export_hf, latest_checkpoint
+    from raylift.export import export_hf, require_checkpoint
     from raylift.tasks import build_task
 
-    latest_checkpoint(Path(args.path))  # a folder with no checkpoint: said first
+    require_checkpoint(args.path)  # a folder with no checkpoint: said first
     if not args.config and run_config_text(args.path) is None:
         raise CheckpointError(
             f"--format hf: {args.path} holds no {RUN_CONFIG} (runs record the config they "
@@ -119,29 +119,27 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
         )
     cfg = load_config(args.config or args.path, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
-    return export_hf(Path(args.path), Path(args.out), task, args.max_shard_size)
+    return export_hf(args.path, Path(args.out), task, args.max_shard_size)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when the newest checkpoint is intact, 1 when only older ones are, 2 when none."""
-    from pathlib import Path
 
     from raylift.checkpoint import verify_run
 
-    run_dir = Path(args.run)
-    results = verify_run(run_dir)
+    results = verify_run(args.run)
     if not results:
-        print(f"raylift: no checkpoint-step* folders in {run_dir}", file=sys.stderr)
+        print(f"raylift: no checkpoint-step* folders in {args.run}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(_run_summary(args.run))
     for ckpt, problem in results:
-        print(f"{ckpt.name}: {'intact' if problem is None else problem}")
+        print(f"{storage.name(ckpt)}: {'intact' if problem is None else problem}")
     intact = [c for c, problem in results if problem is None]
     if not intact:
         print("raylift: no intact checkpoint; a rerun starts over", file=sys.stderr)
         return EXIT_BAD_INPUT
     if results[-1][1] is not None:
-        print(f"raylift: a rerun resumes from {intact[-1].name}, the newest intact one")
+        print(f"raylift: a rerun resumes from {storage.name(intact[-1])}, the newest intact one")
         return EXIT_FAILED
     return EXIT_OK
 

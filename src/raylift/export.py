@@ -11,50 +11,74 @@ the task has one. The task comes from the config the run recorded in its folder.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from raylift.checkpoint import LOOP_FILE, CheckpointError, read_loop_state
+from raylift import storage
+from raylift.checkpoint import (
+    LOOP_FILE,
+    CheckpointError,
+    checkpoint_dirs,
+    newest_complete,
+    read_loop_state,
+    verify_checkpoint,
+)
 from raylift.strategies import REGISTRY
 
 
-def latest_checkpoint(path: Path) -> Path:
-    """``path`` itself if it is a checkpoint, else the newest complete one inside it."""
-    if (path / LOOP_FILE).is_file():
-        return path
-    found = sorted(p.parent for p in path.glob(f"checkpoint-step*/{LOOP_FILE}"))
-    if not found:
+def require_checkpoint(path: str) -> None:
+    """CheckpointError unless ``path`` is a checkpoint or a run folder holding one (a
+    listing: nothing is read)."""
+    if not (storage.is_file(storage.join(path, LOOP_FILE)) or checkpoint_dirs(path)):
         raise CheckpointError(
             f"{path}: no complete checkpoint here; pass a run folder (storage/name) "
             "or one of its checkpoint-step* folders"
         )
-    return found[-1]
 
 
-def consolidated_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    ckpt = latest_checkpoint(path)
+def latest_checkpoint(path: str, log: Callable[[str], None] = print) -> str:
+    """``path`` itself if it is a checkpoint, else the newest intact one inside it (local
+    folders and URIs alike), checksums verified: a damaged checkpoint is never exported."""
+    require_checkpoint(path)
+    if storage.is_file(storage.join(path, LOOP_FILE)):
+        verify_checkpoint(path)
+        return path
+    found = newest_complete(path, log)
+    if found is None:
+        raise CheckpointError(f"{path}: no intact checkpoint here (see `raylift verify {path}`)")
+    return found
+
+
+def consolidated(path: str | Path, log: Callable[[str], None] = print) -> tuple[str, dict]:
+    """The checkpoint used (the newest intact one) and its full fp32 ``state_dict``."""
+    ckpt = latest_checkpoint(str(path), log)
     strategy = read_loop_state(ckpt).get("strategy", "")
     spec = REGISTRY.get(strategy)
     if spec is None:
         raise CheckpointError(f"{ckpt}: written by unknown strategy {strategy!r}")
-    state = spec.read_export(ckpt / "engine")
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    with storage.local_copy(storage.join(ckpt, "engine")) as engine:  # the engines read files
+        state = spec.read_export(engine)
+    return ckpt, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def consolidated_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    return consolidated(path)[1]
 
 
 FORMATS = ("pt", "safetensors")  # hf: export_hf, which needs the run's task
 HF_SHARD = "5GB"  # Hugging Face's own default shard size
 
 
-def export(path: Path, out: Path, fmt: str | None = None) -> tuple[Path, int]:
+def export(path: str, out: Path, fmt: str | None = None) -> tuple[str, int]:
     """Write the consolidated fp32 state_dict to ``out`` as ``fmt`` (by default from the
     file's suffix); returns (checkpoint used, tensors written)."""
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
     if fmt not in FORMATS:
         raise CheckpointError(f"--format: {fmt!r} is not one of {FORMATS}")
-    ckpt = latest_checkpoint(path)
-    state = consolidated_state_dict(ckpt)
+    ckpt, state = consolidated(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "pt":
         torch.save(state, out)
@@ -100,16 +124,15 @@ def hf_config_of(task: object) -> Any:
 
 
 def export_hf(
-    path: Path, out: Path, task: object, max_shard_size: str | int = HF_SHARD
-) -> tuple[Path, int]:
+    path: str, out: Path, task: object, max_shard_size: str | int = HF_SHARD
+) -> tuple[str, int]:
     """A ``save_pretrained`` folder of a run's Hugging Face model: its config, safetensors
     of at most ``max_shard_size`` each (with their index where there is more than one)
     and the tokenizer where the task has one."""
     from huggingface_hub import save_torch_state_dict
 
     hf_config = hf_config_of(task)
-    ckpt = latest_checkpoint(path)
-    state = consolidated_state_dict(ckpt)
+    ckpt, state = consolidated(path)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out)
     tokenizer = getattr(task, "tokenizer", None)

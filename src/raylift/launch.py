@@ -196,10 +196,11 @@ def own_cluster_env() -> dict[str, str]:
 
 
 def run_exists(where: str, name: str) -> bool:
-    """True when a previous run under this name left checkpoints to resume from."""
-    if storage.is_remote(where):
-        return False  # remote storage: Ray Train decides, MLflow starts a fresh run
-    return any((Path(where) / name).glob("checkpoint-step*"))
+    """True when a previous run under this name left checkpoints to resume from, in a
+    local folder or an object store alike."""
+    from raylift.checkpoint import checkpoint_dirs
+
+    return bool(checkpoint_dirs(storage.join(where, name)))
 
 
 START_TIMEOUT_VAR = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
@@ -327,7 +328,8 @@ def _train(
     spec = RunSpec(cfg, shards, run_id, uri, cache, probe, startup)
     fit_started = time.time()
     result = fit(build_trainer(cfg, where, spec, callbacks), spec)
-    ckpt = result.checkpoint.path if result.checkpoint else None
+    # Ray's checkpoint path drops an object store's scheme: given back, so it can be used.
+    ckpt = storage.as_uri(result.checkpoint.path, like=where) if result.checkpoint else None
     metrics = {
         k: float(v) for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))
     }

@@ -19,6 +19,7 @@ from typing import Any, cast
 
 import torch
 
+from raylift import storage
 from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
@@ -223,8 +224,11 @@ class Trainer:
             "metrics": self.last_metrics,
         }
 
-    def restore(self, directory: Path) -> None:
-        saved = self.checkpointer.restore(directory)
+    def restore(self, directory: str | Path) -> None:
+        """Resume from a checkpoint folder, local or a URI (loaded from a local copy)."""
+        directory = str(directory)
+        with storage.local_copy(directory) as local:
+            saved = self.checkpointer.restore(local)
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))

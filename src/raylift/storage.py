@@ -1,26 +1,34 @@
 """Where runs, checkpoints and shards live: a local folder or a URI (s3://, gs://, ...).
 
-Every place that must tell the two apart, or turn a path into something Ray,
-pyarrow or a worker in another folder can use, asks here.
+Every read, write and listing goes through a pyarrow filesystem, the same code for a
+local folder (an NFS mount included) and an object store: a URI is never a second
+class path. Paths are strings throughout; a URI keeps its scheme in everything raylift
+prints. Only the engines' own loaders need files on this machine: :func:`local_copy`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pyarrow.fs
 
+CHUNK = 64 << 20  # bytes read at a time when streaming a file (checksums, copies)
+
 
 def is_remote(path: str) -> bool:
     """True for a URI (``scheme://...``), which Ray and pyarrow open; False for a local path."""
-    return "://" in path
+    return "://" in str(path)
 
 
 def resolve(path: str) -> str:
     """An absolute local path, ``~`` expanded, so Ray and workers in other folders agree
     on it; URIs pass through unchanged."""
+    path = str(path)
     if is_remote(path):
         return path
     return str(Path(path).expanduser().resolve())
@@ -34,16 +42,28 @@ def local_path(path: str) -> Path | None:
 def join(base: str, *parts: str) -> str:
     """``base/part/...``: URIs joined with ``/`` as they are, local paths made absolute."""
     if is_remote(base):
-        return "/".join([base.rstrip("/"), *parts])
+        return "/".join([str(base).rstrip("/"), *parts])
     return str(Path(resolve(base)).joinpath(*parts))
+
+
+def name(path: str) -> str:
+    """The last component: ``checkpoint-step00000100`` of ``s3://b/run/checkpoint-step...``."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(path: str) -> str:
+    """The folder holding ``path``, a URI where ``path`` is one."""
+    if is_remote(path):
+        return str(path).rstrip("/").rsplit("/", 1)[0]
+    return str(Path(resolve(path)).parent)
 
 
 def as_uri(path: str, like: str) -> str:
     """A path a pyarrow filesystem listed under ``like``, as a URI again when ``like`` is one
-    (listings drop the scheme; Ray Data's readers and other nodes need it back)."""
+    (listings and Ray's checkpoints drop the scheme; other nodes and the user need it)."""
     if is_remote(like) and not is_remote(path):
-        return like.split("://", 1)[0] + "://" + path
-    return path
+        return like.split("://", 1)[0] + "://" + str(path).lstrip("/")
+    return str(path)
 
 
 def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
@@ -55,20 +75,144 @@ def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     return pafs.LocalFileSystem(), resolve(path)
 
 
-def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` (a local path or a URI), replacing what was there."""
+# ---------------------------------------------------------------- queries
+
+
+def is_file(path: str) -> bool:
+    import pyarrow.fs as pafs
+
     fs, where = filesystem(path)
-    fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(where) as out:
-        out.write(text.encode())
+    return bool(fs.get_file_info(where).type == pafs.FileType.File)
 
 
-def read_text(path: str) -> str | None:
-    """The text at ``path`` (a local path or a URI); None where no file is there."""
+def is_dir(path: str) -> bool:
+    """A folder, or an object store prefix that holds objects."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    return bool(fs.get_file_info(where).type == pafs.FileType.Directory)
+
+
+def size(path: str) -> int | None:
+    """The file's size in bytes; None where no file is there."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    info = fs.get_file_info(where)
+    return int(info.size) if info.type == pafs.FileType.File else None
+
+
+def mtime(path: str) -> float | None:
+    """When the file was last written (the store's clock), in epoch seconds; None if absent."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    info = fs.get_file_info(where)
+    if info.type != pafs.FileType.File or info.mtime is None:
+        return None
+    return float(info.mtime.timestamp())
+
+
+def children(path: str, folders: bool = True) -> list[str]:
+    """The names directly under ``path`` (folders, or files with ``folders=False``),
+    sorted; [] where there is nothing."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    if fs.get_file_info(where).type != pafs.FileType.Directory:
+        return []
+    want = pafs.FileType.Directory if folders else pafs.FileType.File
+    listed = fs.get_file_info(pafs.FileSelector(where, recursive=False))
+    return sorted(info.base_name for info in listed if info.type == want)
+
+
+def files_under(path: str) -> list[tuple[str, int]]:
+    """Every file below ``path``, as (path relative to it with ``/``, size), sorted."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    if fs.get_file_info(where).type != pafs.FileType.Directory:
+        return []
+    root = where.rstrip("/") + "/"
+    listed = fs.get_file_info(pafs.FileSelector(where, recursive=True))
+    return sorted(
+        (info.path[len(root) :], int(info.size))
+        for info in listed
+        if info.type == pafs.FileType.File
+    )
+
+
+# ---------------------------------------------------------------- reads and writes
+
+
+def read_bytes(path: str) -> bytes | None:
+    """The file's bytes; None where no file is there."""
     import pyarrow.fs as pafs
 
     fs, where = filesystem(path)
     if fs.get_file_info(where).type != pafs.FileType.File:
         return None
     with fs.open_input_stream(where) as f:
-        return bytes(f.read()).decode()
+        return bytes(f.read())
+
+
+def read_text(path: str) -> str | None:
+    """The text at ``path`` (a local path or a URI); None where no file is there."""
+    data = read_bytes(path)
+    return None if data is None else data.decode()
+
+
+def read_chunks(path: str, chunk: int = CHUNK) -> Iterator[bytes]:
+    """The file's bytes ``chunk`` at a time: memory stays at one chunk, whatever its size."""
+    fs, where = filesystem(path)
+    with fs.open_input_stream(where) as f:
+        while data := f.read(chunk):
+            yield bytes(data)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path``, replacing what was there; the folder is made if missing."""
+    fs, where = filesystem(path)
+    fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+    with fs.open_output_stream(where) as out:
+        out.write(data)
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (a local path or a URI), replacing what was there."""
+    write_bytes(path, text.encode())
+
+
+def delete(path: str) -> None:
+    """Remove the file at ``path``; nothing happens where there is none."""
+    fs, where = filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_file(where)
+
+
+def delete_dir_if_empty(path: str) -> None:
+    """Remove the folder at ``path`` if nothing is in it (object stores hold no empty ones)."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    info = fs.get_file_info(where)
+    if info.type == pafs.FileType.Directory and not fs.get_file_info(
+        pafs.FileSelector(where, recursive=False)
+    ):
+        with contextlib.suppress(OSError):
+            fs.delete_dir(where)
+
+
+@contextlib.contextmanager
+def local_copy(path: str) -> Iterator[Path]:
+    """``path`` as a folder on this machine for the length of the block: itself where it
+    is local, else a private copy in a temporary folder, removed after."""
+    if not is_remote(path):
+        yield Path(resolve(path))
+        return
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(path)
+    with tempfile.TemporaryDirectory(prefix="raylift-copy-") as tmp:
+        pafs.copy_files(where, tmp, source_filesystem=fs, destination_filesystem=None)
+        yield Path(tmp)

@@ -133,39 +133,30 @@ def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -
 
 
 def resume(trainer: Any, cfg: Config) -> None:
-    """Restore the checkpoint Ray hands back, or a newer complete one on local storage."""
+    """Restore the newest complete checkpoint in the run's folder, local or in an object
+    store, checksums verified first (a damaged newest one falls back to the one before)."""
     import ray.train
 
     from raylift.checkpoint import (
         checkpoint_dirs,
         checkpoint_step,
         newest_complete,
-        resume_point,
         verify_together,
     )
 
     log = trainer.ctx.log
     # The ranks share the checksum reads; every step below is the same on all of them.
     verify = verify_together(trainer.ctx.rank, trainer.ctx.world_size)
-    checkpoint = ray.train.get_checkpoint()
+    run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
+    found = newest_complete(run_dir, log, verify)
     # Ray registers a checkpoint only when its controller polls the report: a worker
-    # killed in between leaves the newest complete checkpoint on disk only. On local
-    # storage it is found there, and preferred when it is newer than Ray's.
-    run_dir = Path(storage.resolve(cfg.storage)) / cfg.name
-    on_disk = None if storage.is_remote(cfg.storage) else newest_complete(run_dir, log, verify)
-    if checkpoint is not None:
-        handed = Path(checkpoint.path)
-        if on_disk is not None and checkpoint_step(on_disk) >= checkpoint_step(handed):
-            if on_disk.name != handed.name:
-                log(f"raylift: {on_disk.name} is complete on disk, newer than Ray's {handed.name}")
-            trainer.restore(on_disk)  # verified already: not read twice
-            return
-        with checkpoint.as_directory() as directory:
-            trainer.restore(resume_point(Path(directory), log, verify))
-        return
-    if on_disk is not None:
-        trainer.restore(on_disk)
-    elif not storage.is_remote(cfg.storage) and checkpoint_dirs(run_dir):
+    # killed in between leaves a newer complete one in the folder, which wins.
+    handed = ray.train.get_checkpoint()
+    if found and handed and checkpoint_step(found) > checkpoint_step(handed.path):
+        log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
+    if found is not None:
+        trainer.restore(found)  # verified already: not read twice
+    elif checkpoint_dirs(run_dir):
         log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raylift import storage
 from raylift.checkpoint import CheckpointError, resume_point, verify_checkpoint
 from raylift.config import ConfigError, load_config, merge
 from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
@@ -94,8 +95,8 @@ def test_a_cut_off_checkpoint_write_resumes_from_the_previous_complete_one(
     with pytest.raises(CheckpointError, match="incomplete"):
         verify_checkpoint(latest)
     said: list[str] = []
-    chosen = resume_point(latest, said.append)
-    assert chosen.name == "checkpoint-step00000010"
+    chosen = resume_point(str(latest), said.append)
+    assert storage.name(chosen) == "checkpoint-step00000010"
     assert "incomplete" in said[0] and "newest complete" in said[-1]
     resumed, _, last, _ = run(tmp_path / "resumed", restore=chosen)
     assert last["step"] == 30
@@ -112,7 +113,7 @@ def test_no_complete_checkpoint_is_an_error_with_the_fix(tmp_path: Path, pg: Non
     cut = LocalReporter(tmp_path, crash_after_step=5, cut_write=True)
     run(tmp_path, reporter=cut)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        resume_point(tmp_path / "checkpoint-step00000005", lambda line: None)
+        resume_point(str(tmp_path / "checkpoint-step00000005"), lambda line: None)
 
 
 def test_a_preemption_notice_takes_one_checkpoint_at_once(tmp_path: Path, pg: None) -> None:
@@ -148,7 +149,7 @@ def test_a_same_size_corruption_falls_back_to_the_previous_intact_checkpoint(
     with pytest.raises(CheckpointError, match=f"corrupt: {name} does not match the checksum"):
         verify_checkpoint(latest)
     said: list[str] = []
-    assert resume_point(latest, said.append).name == "checkpoint-step00000010"
+    assert storage.name(resume_point(str(latest), said.append)) == "checkpoint-step00000010"
     assert name in said[0] and "newest complete" in said[-1]
     assert cli_main(["verify", str(tmp_path)]) == 1  # only older ones are intact
     # A completion list cut short (the disk filled while it was written) reads as incomplete.
@@ -172,13 +173,13 @@ def verify_share(rank: int, world: int, directory: str, out: str) -> None:
     digested: list[str] = []
     real = ckpt.file_digest
 
-    def counting(path: Path) -> str:
-        digested.append(path.name)
+    def counting(path: str | Path) -> str:
+        digested.append(Path(path).name)
         return real(path)
 
     ckpt.file_digest = counting  # type: ignore[assignment]
     try:
-        ckpt.verify_together(rank, world)(Path(directory))
+        ckpt.verify_together(rank, world)(directory)
         problem = None
     except CheckpointError as exc:
         problem = str(exc)
@@ -208,3 +209,45 @@ def test_the_ranks_of_a_resume_share_the_checksum_reads(tmp_path: Path, pg: None
     run_ranks(2, tmp_path, verify_share, str(latest), out)
     problems = [torch.load(f"{out}.{r}", weights_only=True)["problem"] for r in range(2)]
     assert problems[0] == problems[1] and victim.name in problems[0] and "corrupt" in problems[0]
+
+
+def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_ones(
+    tmp_path: Path, pg: None, s3_server: str, capsys: pytest.CaptureFixture
+) -> None:
+    """The same code on s3:// (the S3 server): listing, checksums, the fallback past a
+    damaged newest checkpoint, a resume from the URI, verify and export."""
+    import pyarrow.fs as pafs
+
+    from raylift.checkpoint import newest_complete
+    from raylift.cli import main as cli_main
+    from raylift.export import consolidated_state_dict
+
+    run(tmp_path / "run", train={"max_steps": 10})
+    run_uri = f"s3://runs/unit-{tmp_path.name}"
+    s3, where = storage.filesystem(run_uri)
+    pafs.copy_files(str(tmp_path / "run"), where, destination_filesystem=s3)
+    newest = f"{run_uri}/checkpoint-step00000010"
+    assert cli_main(["verify", run_uri]) == 0
+    assert newest_complete(run_uri, print) == newest
+    # A flipped block in the newest checkpoint's largest file, in the store itself.
+    files = storage.files_under(newest)
+    victim = storage.join(newest, max(files, key=lambda f: f[1])[0])
+    data = bytearray(storage.read_bytes(victim) or b"")
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(victim, bytes(data))
+    said: list[str] = []
+    older = newest_complete(run_uri, said.append)
+    assert older == f"{run_uri}/checkpoint-step00000005", said
+    assert "is corrupt" in said[0] and said[0].startswith(f"raylift: checkpoint {newest}")
+    capsys.readouterr()
+    assert cli_main(["verify", run_uri]) == 1  # only an older one is intact
+    out = capsys.readouterr().out
+    assert f"raylift: {run_uri}: no config.yaml" in out  # written by the test, not a run
+    assert "a rerun resumes from checkpoint-step00000005" in out
+    # A resume reads it from a local copy and says where it came from.
+    _, _, _, resumed = run(tmp_path / "again", restore=older, train={"max_steps": 10})
+    exported = consolidated_state_dict(older)
+    assert cli_main(["export", run_uri, "--out", str(tmp_path / "m.pt")]) == 0
+    assert f"from {older} to" in capsys.readouterr().out  # the scheme kept
+    assert torch.load(tmp_path / "m.pt", weights_only=True).keys() == exported.keys()
+    assert sum(1 for _ in resumed.parameters()) > 0

@@ -287,11 +287,12 @@ def train(
     A sweep's trial passes its parent MLflow run and Tune's report callback;
     ``raylift doctor`` passes the settings of its probe; the CLI passes the start-up
     clock it began at its process's start (else it begins here). ``lock``: hold the
-    run's lock (:mod:`raylift.runlock`) on local storage.
+    run's lock (:mod:`raylift.runlock`), on any storage.
     """
-    local = storage.local_path(storage.resolve(cfg.storage)) if lock else None
-    with runlock.hold(local / cfg.name, f"run {cfg.name!r}", log) if local else nullcontext():
-        return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup)
+    run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
+    what = f"run {cfg.name!r}"
+    with runlock.hold(run_dir, what, log, confirm=False) if lock else nullcontext() as held:
+        return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup, held)
 
 
 def _train(
@@ -302,6 +303,7 @@ def _train(
     extra_tags: dict[str, str] | None,
     probe: ProbeSettings | None,
     startup: Startup | None,
+    held: runlock.RunLock | None = None,
 ) -> TrainResult:
     started = time.perf_counter()
     if startup is None:
@@ -319,6 +321,8 @@ def _train(
     shards, cache = prepare_data(cfg, log, startup)
     cfg = resolve_auto(cfg, log)
     startup.mark("auto")
+    if held is not None:
+        held.confirm()  # before anything is written to the run's folder
     record_config(cfg, storage.join(where, cfg.name))
     tags = dict(extra_tags or {})
     if parent_run_id:

@@ -1,15 +1,26 @@
 """One writer per run: a second command with the same name and storage stops at once.
 
 Two ``raylift train`` (or ``tune``) commands writing one run folder would interleave
-their checkpoints and continue one MLflow run. The first holds ``.raylift-lock`` in the
-run folder: its host, pid, process start time and since when, refreshed every
-``HEARTBEAT_S``. A second finds it and stops with exit 2, naming the first. A lock
-whose holder is gone is taken over, and the taker says so: on the same host when the
-pid no longer runs (or runs another program: its start time differs), on any host
-when the heartbeat is older than ``STALE_S`` (a lost node).
+their checkpoints and continue one MLflow run. The first holds a lease,
+``.raylift-lock`` in the run folder, written through pyarrow: the same code for a local
+folder, an NFS mount and an object store (``s3://``, ``gs://``). It names the holder
+(host, pid, process start time, since when) and carries a random token; the holder
+rewrites it every ``HEARTBEAT_S``.
 
-Local storage only: object stores have no atomic create-if-absent that every backend
-honours, so a run on ``s3://``/``gs://`` storage is not locked (the README says so).
+Taking it: a command reads the lease and stops (exit 2, naming the holder) if a live
+command holds it; else it writes its own and, ``SETTLE_S`` later, reads it back. Of two
+commands that wrote within that time, only the one whose write landed last finds its
+own token; the other stops as if it had found the lease held. Object stores need no
+atomic create for this, only what S3 and GCS give: a read sees the latest completed
+write. A lease is stale, and taken over with a line saying so, when it is older than
+``STALE_S`` by the store's clock (a lost node), or when its holder ran on this host and
+its pid is gone or is another program.
+
+What it cannot guarantee: a command that stalls for more than ``SETTLE_S`` between
+reading the lease and writing its own (a long GC pause, a hung connection) can end up
+running beside another; a holder cut off from the store for ``STALE_S`` is taken over
+while it may still write (nothing fences its later writes); and hosts whose clocks
+disagree with the store's by more than ``STALE_S`` misjudge a lease's age.
 """
 
 from __future__ import annotations
@@ -20,14 +31,18 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
+from raylift import storage
 from raylift.startup import process_start
 
 LOCK_FILE = ".raylift-lock"
 HEARTBEAT_S = 10.0
 STALE_S = 60.0  # six missed heartbeats: the holder's node is gone
+SETTLE_S = 1.5  # how long two racing writes have to both land before the read-back
+
+Log = Callable[[str], None]
 
 
 class RunLocked(RuntimeError):
@@ -40,73 +55,113 @@ def _me() -> dict[str, object]:
         "pid": os.getpid(),
         "started": round(process_start(), 1),
         "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "token": uuid.uuid4().hex,
     }
 
 
-@contextlib.contextmanager
-def hold(folder: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
-    """Hold ``folder``'s lock while the block runs; :class:`RunLocked` if a live command
-    holds it."""
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_FILE
-    mine = _me()
-    _acquire(path, mine, what, log)
-    stop = threading.Event()
-    beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True)
-    beat.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        beat.join()
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads(path.read_text()).get("pid") == mine["pid"]:
-                path.unlink()
-        if created:  # a run that wrote nothing (bad shards, say) leaves no folder behind
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+class RunLock:
+    """The lease on one run folder (a local path or a URI): :meth:`claim`, then
+    :meth:`confirm` before writing anything there, :meth:`release` at the end."""
 
+    def __init__(self, folder: str, what: str, log: Log = print):
+        self.folder, self.what, self.log = folder, what, log
+        self.path = storage.join(folder, LOCK_FILE)
+        self.mine = _me()
+        self._created = not storage.is_dir(folder)
+        self._claimed = 0.0
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
-def _acquire(path: Path, mine: dict[str, object], what: str, log: Callable[[str], None]) -> None:
-    for _ in range(3):  # a holder that vanishes between our checks: look again
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            holder = _read(path)
-            if holder is None:
-                continue
-            why = stale(holder, path)
+    def claim(self) -> None:
+        """Write this command's lease unless a live command holds it (RunLocked)."""
+        holder = read(self.path)
+        if holder is not None:
+            why = stale(holder, self.path)
             if why is None:
-                raise RunLocked(
-                    f"{what} is already running: {describe(holder)} holds {path}. Wait for "
-                    "it, stop it, or give this run another name= (or storage=)"
-                ) from None
-            log(f"raylift: taking over the lock of {describe(holder)}: {why}")
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(mine, f)
-        return
-    raise RunLocked(f"could not take {path}: other commands keep taking it")
+                raise self._held_by(holder)
+            self.log(f"raylift: taking over the lock of {describe(holder)}: {why}")
+        self._write()
+        self._claimed = time.monotonic()
+
+    def confirm(self) -> None:
+        """Once the settle time is over, the lease must still be this command's
+        (RunLocked otherwise); then the heartbeat starts."""
+        if self._beat is not None:
+            return
+        time.sleep(max(0.0, self._claimed + SETTLE_S - time.monotonic()))
+        holder = read(self.path)
+        if holder is None or holder.get("token") != self.mine["token"]:
+            raise self._held_by(holder or {"host": "?", "pid": "?", "since": "just now"})
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+        with contextlib.suppress(OSError):
+            holder = read(self.path)
+            if holder is not None and holder.get("token") == self.mine["token"]:
+                storage.delete(self.path)
+            if self._created:  # a run that wrote nothing (bad shards) leaves no folder
+                storage.delete_dir_if_empty(self.folder)
+
+    def _write(self) -> None:
+        storage.write_text(self.path, json.dumps(self.mine))
+
+    def _held_by(self, holder: dict[str, object]) -> RunLocked:
+        return RunLocked(
+            f"{self.what} is already running: {describe(holder)} holds {self.path}. Wait "
+            "for it, stop it, or give this run another name= (or storage=)"
+        )
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                holder = read(self.path)
+                if holder is not None and holder.get("token") != self.mine["token"]:
+                    self.log(
+                        f"raylift: {describe(holder)} took over the lock of {self.what}; "
+                        "this command no longer holds it"
+                    )
+                    return
+                self._write()
 
 
-def _read(path: Path) -> dict[str, object] | None:
+@contextlib.contextmanager
+def hold(folder: str, what: str, log: Log = print, confirm: bool = True) -> Iterator[RunLock]:
+    """Hold ``folder``'s lease while the block runs; :class:`RunLocked` if a live command
+    holds it. ``confirm=False``: the block calls ``lock.confirm()`` itself, before it
+    writes to the folder, so the settle time passes while it does other work."""
+    lock = RunLock(folder, what, log)
+    lock.claim()
     try:
-        return dict(json.loads(path.read_text()))
-    except FileNotFoundError:
+        if confirm:
+            lock.confirm()
+        yield lock
+    finally:
+        lock.release()
+
+
+def read(path: str) -> dict[str, object] | None:
+    try:
+        text = storage.read_text(path)
+    except OSError:
+        text = '{"host": "?", "pid": -1}'
+    if text is None:
         return None
-    except (OSError, ValueError):
+    try:
+        return dict(json.loads(text))
+    except ValueError:
         return {"host": "?", "pid": -1, "started": 0, "since": "?"}  # torn write: judge by age
 
 
-def stale(holder: dict[str, object], path: Path) -> str | None:
-    """Why ``holder``'s lock is stale, or None while its command lives."""
-    try:
-        age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
+def stale(holder: dict[str, object], path: str) -> str | None:
+    """Why ``holder``'s lease is stale, or None while its command lives."""
+    written = storage.mtime(path)
+    if written is None:
         return "it was released"
+    age = time.time() - written
     if age > STALE_S:
         return f"no heartbeat for {age:.0f} s"
     if holder.get("host") != socket.gethostname():
@@ -126,9 +181,3 @@ def stale(holder: dict[str, object], path: Path) -> str | None:
 
 def describe(holder: dict[str, object]) -> str:
     return f"pid {holder.get('pid')} on {holder.get('host')} (since {holder.get('since')})"
-
-
-def _heartbeat(path: Path, stop: threading.Event) -> None:
-    while not stop.wait(HEARTBEAT_S):
-        with contextlib.suppress(OSError):
-            os.utime(path)

@@ -236,12 +236,7 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
     One sweep per name and storage at a time: a second raises :class:`RunLocked`."""
     from raylift import runlock, storage
 
-    local = storage.local_path(cfg.storage)
-    with (
-        runlock.hold(local / cfg.name, f"sweep {cfg.name!r}", log)
-        if local
-        else contextlib.nullcontext()
-    ):
+    with runlock.hold(storage.join(resolve(cfg.storage), cfg.name), f"sweep {cfg.name!r}", log):
         return _tune_run(cfg, log)
 
 

@@ -1,4 +1,5 @@
-"""One writer per run: a live holder stops a second command; a dead one's lock is taken over."""
+"""One writer per run: a live holder stops a second command; a dead one's lock is taken
+over; of two that raced, one goes on. The same lease in a local folder and on s3://."""
 
 from __future__ import annotations
 
@@ -12,31 +13,38 @@ from pathlib import Path
 
 import pytest
 
-from raylift import runlock
+from raylift import runlock, storage
 from raylift.cli import main as cli_main
 
 HOLD = """
 import sys, time
-from pathlib import Path
 from raylift.runlock import hold
-with hold(Path(sys.argv[1]), "run 'x'", print):
+with hold(sys.argv[1], "run 'x'", print):
     print("held", flush=True)
     time.sleep(600)
 """
 
 
-def holder(folder: Path) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE, text=True
-    )
+def holder(folder: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, folder], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
 
 
+@pytest.fixture(params=["local", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A run's storage: a local folder, or a bucket on the S3 server."""
+    if request.param == "local":
+        return str(tmp_path / "runs")
+    request.getfixturevalue("s3_server")
+    return f"s3://runs/lock-{tmp_path.name}"
+
+
 def test_a_second_command_stops_naming_the_first_then_takes_over_when_it_dies(
-    tmp_path: Path,
+    where: str,
 ) -> None:
-    folder = tmp_path / "runs" / "x"
+    folder = storage.join(where, "x")
+    lock = storage.join(folder, runlock.LOCK_FILE)
     first = holder(folder)
     try:
         running = rf"run 'x' is already running: pid {first.pid} on .* \(since "
@@ -48,25 +56,46 @@ def test_a_second_command_stops_naming_the_first_then_takes_over_when_it_dies(
     finally:
         first.send_signal(signal.SIGKILL)  # leaves its lock behind
         first.wait()
-    assert (folder / runlock.LOCK_FILE).exists()
+    assert storage.is_file(lock)
     said: list[str] = []
     with runlock.hold(folder, "run 'x'", said.append):
-        assert json.loads((folder / runlock.LOCK_FILE).read_text())["pid"] == os.getpid()
+        assert json.loads(storage.read_text(lock) or "")["pid"] == os.getpid()
     assert said == [
         f"raylift: taking over the lock of pid {first.pid} on " + said[0].split(" on ", 1)[1]
     ]
     assert f"pid {first.pid} is not running" in said[0]
-    assert not (folder / runlock.LOCK_FILE).exists()  # released on the way out
+    assert not storage.is_file(lock)  # released on the way out
 
 
-def test_a_lock_from_another_host_is_stale_only_without_a_heartbeat(tmp_path: Path) -> None:
-    lock = tmp_path / runlock.LOCK_FILE
+def test_a_lock_from_another_host_is_stale_only_without_a_heartbeat(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lock = storage.join(where, runlock.LOCK_FILE)
     other = {"host": "node-that-is-gone", "pid": 1, "started": 0, "since": "then"}
-    lock.write_text(json.dumps(other))
+    storage.write_text(lock, json.dumps(other))
     assert runlock.stale(other, lock) is None  # alive as far as anyone here can tell
-    old = time.time() - runlock.STALE_S - 5
-    os.utime(lock, (old, old))
+    monkeypatch.setattr(runlock, "STALE_S", 1.0)  # the store's clock says how old it is
+    time.sleep(2.5)  # object stores keep whole seconds
     assert "no heartbeat for" in (runlock.stale(other, lock) or "")
+
+
+def test_of_two_commands_that_claimed_at_once_exactly_one_goes_on(where: str) -> None:
+    """Both found no lease and both wrote theirs: the read-back after the settle time
+    lets only the one whose write landed last go on, and names it to the other."""
+    folder = storage.join(where, "race")
+    first, second = (runlock.RunLock(folder, "run 'race'", print) for _ in range(2))
+    for lock in (first, second):  # the race: neither saw the other's claim
+        lock._write()
+        lock._claimed = time.monotonic()
+    with pytest.raises(runlock.RunLocked, match=f"pid {os.getpid()} on"):
+        first.confirm()
+    second.confirm()
+    try:
+        with pytest.raises(runlock.RunLocked, match="already running"):
+            runlock.RunLock(folder, "run 'race'", print).claim()  # a third finds it held
+    finally:
+        second.release()
+    assert not storage.is_file(storage.join(folder, runlock.LOCK_FILE))
 
 
 def test_the_cli_exits_2_on_a_held_run(
@@ -74,7 +103,7 @@ def test_the_cli_exits_2_on_a_held_run(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "c.yaml").write_text("name: x\ntask: digits\nstorage: ./runs\n")
-    first = holder(tmp_path / "runs" / "x")
+    first = holder(str(tmp_path / "runs" / "x"))
     try:
         assert cli_main(["train", "c.yaml"]) == 2
         assert f"run 'x' is already running: pid {first.pid}" in capsys.readouterr().err
@@ -84,6 +113,6 @@ def test_the_cli_exits_2_on_a_held_run(
 
 
 def test_a_run_that_wrote_nothing_leaves_no_folder(tmp_path: Path) -> None:
-    with runlock.hold(tmp_path / "runs" / "x", "run 'x'", print):
+    with runlock.hold(str(tmp_path / "runs" / "x"), "run 'x'", print):
         pass
     assert not (tmp_path / "runs" / "x").exists()

@@ -90,36 +90,47 @@ def filter_worker_logs() -> None:
     except ImportError:
         return
     found = [h for name, h in getattr(dispatcher, "handlers", []) if name == "ray_print_logs"]
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if len(found) != 1 or original is None or hasattr(original, "_raylift_original"):
+    if len(found) != 1:
         return
     printer = found[0]
-    node = ray_worker.global_worker.node
-    if node is None:  # not connected: nothing is forwarded yet
-        return
-    messages = Path(node.get_logs_dir_path()) / f"raylift-ray-messages-{os.getpid()}.log"
-
-    def kept(data: dict[str, Any]) -> dict[str, Any] | None:
-        if data.get("pid") in RAY_PROCESSES:
-            with messages.open("a") as out:
-                out.writelines(f"({data.get('pid')}) {line}\n" for line in data.get("lines", []))
-            return None
-        # Blank lines too: a worker's flush can forward one, between raylift's lines.
-        lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
-        return {**data, "lines": lines} if lines else None
 
     def filtered(data: dict[str, Any]) -> None:
-        if (shown := kept(data)) is not None:
+        if (shown := _kept(data)) is not None:
             printer(shown)
 
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", filtered)
+    original = getattr(ray_worker, "print_to_stdstream", None)
+    if original is None or hasattr(original, "_raylift_original"):
+        return
+
     def published(data: dict[str, Any], ignore_prefix: bool) -> None:
-        if (shown := kept(data)) is not None:
+        if (shown := _kept(data)) is not None:
             original(shown, ignore_prefix)
 
     published._raylift_original = original  # type: ignore[attr-defined]
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", filtered)
     ray_worker.print_to_stdstream = published  # Ray's error listener calls it by name
+
+
+def _kept(data: dict[str, Any]) -> dict[str, Any] | None:
+    """What of one batch of forwarded lines the console shows; None: nothing."""
+    if data.get("pid") in RAY_PROCESSES:
+        with _ray_messages_file().open("a") as out:
+            out.writelines(f"({data.get('pid')}) {line}\n" for line in data.get("lines", []))
+        return None
+    # Blank lines too: a worker's flush can forward one, between raylift's lines.
+    lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
+    return {**data, "lines": lines} if lines else None
+
+
+def _ray_messages_file() -> Path:
+    import tempfile
+
+    import ray._private.worker as ray_worker
+
+    node = ray_worker.global_worker.node
+    logs = node.get_logs_dir_path() if node is not None else tempfile.gettempdir()
+    return Path(logs) / f"raylift-ray-messages-{os.getpid()}.log"
 
 
 def warnings_to_ray_logs(logs_dir: str | None = None) -> Path | None:

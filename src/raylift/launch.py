@@ -8,14 +8,14 @@ it all in one :class:`~raylift.worker.RunSpec`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
 import os
 import sys
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -281,18 +281,20 @@ def train(
     probe: ProbeSettings | None = None,
     startup: Startup | None = None,
     lock: bool = True,
+    service: Any = None,
 ) -> TrainResult:
     """Run ``cfg`` to completion on Ray; raises :class:`RunFailed` if training fails.
 
-    A sweep's trial passes its parent MLflow run and Tune's report callback;
-    ``raylift doctor`` passes the settings of its probe; the CLI passes the start-up
-    clock it began at its process's start (else it begins here). ``lock``: hold the
-    run's lock (:mod:`raylift.runlock`), on any storage.
+    A sweep's trial passes its parent MLflow run, Tune's report callback and the
+    sweep's tracking actor (``service``); ``raylift doctor`` passes the settings of its
+    probe; the CLI passes the start-up clock it began at its process's start (else it
+    begins here). ``lock``: hold the run's lock (:mod:`raylift.runlock`), on any storage.
     """
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
     what = f"run {cfg.name!r}"
-    with runlock.hold(run_dir, what, log, confirm=False) if lock else nullcontext() as held:
-        return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup, held)
+    hold = runlock.hold(run_dir, what, log, confirm=False) if lock else contextlib.nullcontext()
+    with hold as held:
+        return _train(cfg, log, parent_run_id, callbacks, extra_tags, probe, startup, held, service)
 
 
 def _train(
@@ -304,6 +306,7 @@ def _train(
     probe: ProbeSettings | None,
     startup: Startup | None,
     held: runlock.RunLock | None = None,
+    service: Any = None,
 ) -> TrainResult:
     started = time.perf_counter()
     if startup is None:
@@ -319,19 +322,59 @@ def _train(
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     shards, cache = prepare_data(cfg, log, startup)
-    cfg = resolve_auto(cfg, log)
+    # Workers run in folders of their own: they get the storage this driver resolved.
+    cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where)
     startup.mark("auto")
     if held is not None:
         held.confirm()  # before anything is written to the run's folder
     record_config(cfg, storage.join(where, cfg.name))
-    tags = dict(extra_tags or {})
-    if parent_run_id:
-        tags["mlflow.parentRunId"] = parent_run_id
-    run_id = tracking.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
-    startup.mark("mlflow")
-    spec = RunSpec(cfg, shards, run_id, uri, cache, probe, startup)
-    fit_started = time.time()
-    result = fit(build_trainer(cfg, where, spec, callbacks), spec)
+    with tracking_for_run(uri, service) as (store, service):
+        parent = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
+        tags = {**(extra_tags or {}), **parent}  # a sweep's trials are its children
+        run_id = store.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
+        startup.mark("mlflow")
+        spec = RunSpec(cfg, shards, run_id, uri, service, cache, probe, startup)
+        fit_started = time.time()
+        result = fit(build_trainer(cfg, where, spec, callbacks), spec, store)
+        ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
+        final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
+        if "nonfinite_step" in metrics:
+            store.end_run(run_id, "FAILED", final)
+            raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
+        store.end_run(run_id, "FINISHED", final)
+    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
+
+
+@contextlib.contextmanager
+def tracking_for_run(uri: str, service: Any = None) -> Iterator[tuple[Any, Any]]:
+    """(the store this process writes through, the tracking actor the workers write to).
+
+    The driver uses the store itself and starts the actor on its own node (stopped after
+    the run); a sweep's trial, which may run on any node, is handed the sweep's actor and
+    goes through it too."""
+    if service is not None:
+        yield tracking.RemoteStore(service), service
+        return
+    import ray
+
+    if tracking.is_local_store(uri) and ray.util.client.ray.is_connected():
+        raise EnvironmentProblem(
+            f"tracking.uri: {uri} is a file on this machine, which the cluster's nodes "
+            "cannot write to through a Ray Client (ray://) connection; set tracking.uri "
+            "to an MLflow server (http://...), or run on the cluster with raylift submit"
+        )
+    service = tracking.start_service(uri)
+    service.warm.remote()  # MLflow imported while Ray Train starts the workers
+    try:
+        yield tracking.Store(uri), service
+    finally:
+        ray.kill(service)
+
+
+def closing_metrics(
+    result: Any, where: str, store: Any, run_id: str, fit_started: float
+) -> tuple[str | None, dict[str, float]]:
+    """The run's final checkpoint (its URI) and metrics."""
     # Ray's checkpoint path drops an object store's scheme: given back, so it can be used.
     ckpt = storage.as_uri(result.checkpoint.path, like=where) if result.checkpoint else None
     metrics = {
@@ -340,16 +383,11 @@ def _train(
     # Ray Train's result carries the metrics of the latest checkpoint's report, not of a
     # later report without one (the final evaluation after the last checkpoint, the stop
     # on a NaN loss): rank 0 logged those to MLflow, which has the last word.
-    metrics.update(tracking.latest_metrics(uri, run_id, ("val_", "train_")))
-    bad = tracking.metric_since(uri, run_id, "nonfinite_step", fit_started)
+    metrics.update(store.latest_metrics(run_id, ("val_", "train_")))
+    bad = store.metric_since(run_id, "nonfinite_step", fit_started)
     if bad is not None:
         metrics["nonfinite_step"] = bad
-    final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
-    if "nonfinite_step" in metrics:
-        tracking.end_run(uri, run_id, "FAILED", final)
-        raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
-    tracking.end_run(uri, run_id, "FINISHED", final)
-    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
+    return ckpt, metrics
 
 
 def record_config(cfg: Config, run_dir: str) -> None:
@@ -388,7 +426,7 @@ def prepare_data(
     return manifest.root, cache
 
 
-def fit(trainer: Any, spec: RunSpec) -> Any:
+def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
     """``trainer.fit()``; the MLflow run is closed as failed or killed if it does not finish."""
     status = "FAILED"
     try:
@@ -403,7 +441,7 @@ def fit(trainer: Any, spec: RunSpec) -> Any:
         raise RunFailed(_failure_message(exc, spec.config)) from exc
     finally:
         if status != "FINISHED":
-            tracking.end_run(spec.tracking_uri, spec.run_id, status)
+            store.end_run(spec.run_id, status)
     return result
 
 

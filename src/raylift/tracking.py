@@ -2,6 +2,13 @@
 
 A rerun of the same ``name`` in the same ``storage`` continues the same MLflow
 run: the run carries a ``raylift.run_key`` tag made of both.
+
+Only the driver's node talks to the tracking store. The driver does in its own process;
+rank 0 of the workers and a sweep's trials, which run wherever Ray places them, hand
+their writes to the tracking actor (:func:`start_service`), a :class:`Store` that runs
+on the driver's node and owns the MLflow client there. So the default store, a sqlite
+file beside the driver, works when rank 0 lands on another node, and the workers never
+import MLflow.
 """
 
 from __future__ import annotations
@@ -14,7 +21,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -185,52 +191,131 @@ def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None =
     mlflow.set_terminated(run_id, status=status)
 
 
-class MlflowTracker:
-    """Rank 0's writer; other ranks get a NullTracker.
+class Store:
+    """What raylift asks of one tracking store. The driver uses one in its own process; as
+    the tracking actor on the driver's node it serves the workers and trials."""
 
-    Writes run in order on one background thread, so the loop never waits on a slow
-    store or server. Timestamps are taken when the loop logs. A failed write is raised
-    by the next call, and :meth:`close` waits for all of them. MLflow itself is imported
-    here, on the loop's thread: see :func:`client`.
-    """
+    def __init__(self, uri: str):
+        self.uri = uri
+        self._client: Any = None
 
-    def __init__(self, uri: str, run_id: str):
-        self.client, self.run_id = client(uri), run_id
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mlflow-log")
-        self._pending: list[Future[None]] = []
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = client(self.uri)
+        return self._client
+
+    def warm(self) -> None:
+        """Import MLflow and open the store ahead of the first write."""
+        _ = self.client
+
+    def log_batch(
+        self,
+        run_id: str,
+        metrics: list[tuple[str, float]],
+        step: int,
+        timestamp_ms: int,
+        tags: dict[str, str] | None = None,
+    ) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        self.client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, timestamp_ms, step) for k, v in metrics],
+            tags=[RunTag(k, v) for k, v in (tags or {}).items()],
+        )
+
+    def log_artifact(self, run_id: str, filename: str, data: bytes, folder: str) -> None:
+        """A file of a worker's, sent as its bytes: the worker's disk is not this node's."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="raylift-artifact-") as tmp:
+            path = Path(tmp) / filename
+            path.write_bytes(data)
+            self.client.log_artifact(run_id, str(path), folder)
+
+    def metric_since(self, run_id: str, key: str, since_s: float) -> float | None:
+        return metric_since(self.uri, run_id, key, since_s)
+
+    def latest_metrics(self, run_id: str, prefixes: tuple[str, ...]) -> dict[str, float]:
+        return latest_metrics(self.uri, run_id, prefixes)
+
+    def start_run(
+        self,
+        cfg: Config,
+        storage: str,
+        resume: bool,
+        world_size: int,
+        extra_tags: Mapping[str, str] | None = None,
+    ) -> str:
+        return start_run(cfg, storage, resume, world_size, extra_tags)
+
+    def end_run(self, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
+        end_run(self.uri, run_id, status, tags)
+
+
+class RemoteStore:
+    """A :class:`Store` served by the tracking actor: each call waits for its answer."""
+
+    def __init__(self, service: Any):
+        self.service = service
+
+    def __getattr__(self, name: str) -> Any:
+        import ray
+
+        method = getattr(self.service, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+
+def start_service(uri: str) -> Any:
+    """The tracking actor for ``uri``, on this process's node (it takes no CPU)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(num_cpus=0)(Store).options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    )
+    return actor.remote(uri)
+
+
+def is_local_store(uri: str) -> bool:
+    """A store that is a file on some machine (sqlite, file:, a bare path), not a server."""
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
+class ServiceTracker:
+    """Rank 0's writer: every write goes to the tracking actor without the loop waiting
+    (one caller's calls run in order); :meth:`close` waits for them all and raises the
+    first that failed, and a failure surfaces at the next write where the loop sees it."""
+
+    def __init__(self, service: Any, run_id: str):
+        self.service, self.run_id = service, run_id
+        self._pending: list[Any] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
         rows = [(k, float(v)) for k, v in metrics.items()]
-        self._submit(self._write_metrics, rows, now, step)
+        now = int(time.time() * 1000)  # taken when the loop logs, not when it lands
+        self._send(self.service.log_batch.remote(self.run_id, rows, step, now))
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        self._submit(self._write_tags, dict(tags))
+        now = int(time.time() * 1000)
+        self._send(self.service.log_batch.remote(self.run_id, [], 0, now, dict(tags)))
 
     def log_artifact(self, path: Path, folder: str) -> None:
-        self._submit(lambda: self.client.log_artifact(self.run_id, str(path), folder))
+        data = path.read_bytes()
+        self._send(self.service.log_artifact.remote(self.run_id, path.name, data, folder))
 
     def close(self) -> None:
-        """Wait for every write; raises the first that failed."""
+        import ray
+
         pending, self._pending = self._pending, []
-        try:
-            for write in pending:
-                write.result()
-        finally:
-            self._writer.shutdown(wait=True)
+        ray.get(pending)
 
-    def _submit(self, fn: Any, *args: Any) -> None:
-        for write in [w for w in self._pending if w.done()]:
-            self._pending.remove(write)
-            write.result()  # raises a failed write where the loop can see it
-        self._pending.append(self._writer.submit(fn, *args))
+    def _send(self, ref: Any) -> None:
+        import ray
 
-    def _write_metrics(self, rows: list[tuple[str, float]], now: int, step: int) -> None:
-        from mlflow.entities import Metric  # loaded by client() already: no import race
-
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in rows])
-
-    def _write_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
-
-        self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        if self._pending:
+            done, self._pending = ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
+            ray.get(done)  # raises a failed write where the loop can see it
+        self._pending.append(ref)

@@ -204,6 +204,9 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
         # Tune runs one attempt of a trial at a time, and its worker process may outlive
         # a stopped attempt: the sweep's own lock is the one that keeps commands apart.
         lock=False,
+        # The trial runs on any node: MLflow is reached through the sweep's tracking
+        # actor, on the sweep driver's node.
+        service=sweep["tracking"],
     )
 
 
@@ -235,27 +238,29 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
 
     One sweep per name and storage at a time: a second raises :class:`RunLocked`."""
     from raylift import runlock, storage
+    from raylift.launch import connect_ray, tracking_for_run
 
+    spec = parse_sweep(cfg)
     with runlock.hold(storage.join(resolve(cfg.storage), cfg.name), f"sweep {cfg.name!r}", log):
-        return _tune_run(cfg, log)
+        connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
+        with tracking_for_run(tracking.tracking_uri(cfg)) as (_, service):
+            return _tune_run(cfg, spec, log, service)
 
 
-def _tune_run(cfg: Config, log: Any) -> SweepResult:
+def _tune_run(cfg: Config, spec: SweepSpec, log: Any, service: Any) -> SweepResult:
     from ray import tune
 
     from raylift.data.shards import shards_for_run
-    from raylift.launch import connect_ray
     from raylift.tasks import build_task
 
     started = time.perf_counter()
-    spec = parse_sweep(cfg)
     storage = resolve(cfg.storage)
-    connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
     base = _resolved(_trial_base(cfg, spec, storage), log)
     # The data is prepared once here; trials whose task_args differ prepare their own.
     shards_for_run(cfg, build_task(cfg.task, cfg.task_args), log)
     parent = _parent_run(cfg, storage, spec)
-    payload = {"base": base, "name": cfg.name, "parent_run_id": parent}
+    # Every trial writes to MLflow through the sweep's tracking actor, on this node.
+    payload = {"base": base, "name": cfg.name, "parent_run_id": parent, "tracking": service}
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, sweep=payload),
         {"CPU": 0.01},  # the trial's workers hold the real resources; this only launches them

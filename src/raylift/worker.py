@@ -29,6 +29,7 @@ class RunSpec:
     shards: str  # the prepared shards' root
     run_id: str  # the MLflow run rank 0 writes to
     tracking_uri: str
+    tracking: Any  # the tracking actor on the driver's node (raylift.tracking.start_service)
     cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
     probe: ProbeSettings | None = None  # raylift doctor's windows
     startup: Startup | None = None  # the driver's start-up phases; workers add theirs
@@ -68,23 +69,23 @@ def worker_main(loop_config: dict[str, Any]) -> None:
 
 
 def restarted(spec: RunSpec, startup: Startup) -> bool:
-    return logged_startup_since(spec.tracking_uri, spec.run_id, startup.origin)
+    from raylift.tracking import RemoteStore
+
+    return logged_startup_since(RemoteStore(spec.tracking), spec.run_id, startup.origin)
 
 
-def logged_startup_since(uri: str, run_id: str, origin: float) -> bool:
+def logged_startup_since(store: Any, run_id: str, origin: float) -> bool:
     """True when the run's MLflow metrics hold a start-up total logged after ``origin``."""
     from raylift.startup import PREFIX
-    from raylift.tracking import client
 
-    history = client(uri).get_metric_history(run_id, f"{PREFIX}total_s")
-    return any(m.timestamp >= origin * 1000 for m in history)
+    return store.metric_since(run_id, f"{PREFIX}total_s", origin) is not None
 
 
 def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
     from raylift.context import NullTracker, WorkerContext
     from raylift.loop import Trainer
     from raylift.tasks import build_task
-    from raylift.tracking import MlflowTracker
+    from raylift.tracking import ServiceTracker
 
     cfg = spec.config
     task = build_task(cfg.task, cfg.task_args)
@@ -97,7 +98,7 @@ def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
         device=device,
         source=source,
         reporter=RayReporter(),
-        tracker=MlflowTracker(spec.tracking_uri, spec.run_id) if rank == 0 else NullTracker(),
+        tracker=ServiceTracker(spec.tracking, spec.run_id) if rank == 0 else NullTracker(),
         log=print0(rank),
         probe=_probe(spec.probe),
         startup=spec.startup,
@@ -141,19 +142,24 @@ def resume(trainer: Any, cfg: Config) -> None:
         checkpoint_dirs,
         checkpoint_step,
         newest_complete,
+        resume_point,
         verify_together,
     )
 
     log = trainer.ctx.log
     # The ranks share the checksum reads; every step below is the same on all of them.
     verify = verify_together(trainer.ctx.rank, trainer.ctx.world_size)
-    run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
+    run_dir = storage.join(cfg.storage, cfg.name)  # resolved by the driver
     found = newest_complete(run_dir, log, verify)
     # Ray registers a checkpoint only when its controller polls the report: a worker
     # killed in between leaves a newer complete one in the folder, which wins.
     handed = ray.train.get_checkpoint()
-    if found and handed and checkpoint_step(found) > checkpoint_step(handed.path):
-        log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
+    if handed is not None:
+        registered = storage.as_uri(handed.path, like=run_dir)
+        if found is None or checkpoint_step(registered) > checkpoint_step(found):
+            found = resume_point(registered, log, verify)  # Ray's record, checked too
+        elif checkpoint_step(found) > checkpoint_step(registered):
+            log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
     if found is not None:
         trainer.restore(found)  # verified already: not read twice
     elif checkpoint_dirs(run_dir):

@@ -68,7 +68,7 @@ def test_precision_auto_steps_around_what_the_strategy_refuses() -> None:
 
 def test_the_run_spec_is_one_typed_object_that_pickles() -> None:
     cfg = make_config()
-    spec = RunSpec(cfg, "/tmp/shards", "run1", "sqlite:///x.db", probe=ProbeSettings(5))
+    spec = RunSpec(cfg, "/tmp/shards", "run1", "sqlite:///x.db", None, probe=ProbeSettings(5))
     back = pickle.loads(pickle.dumps(spec))
     assert back == spec and back.config.strategy.name == "ddp"
 
@@ -133,3 +133,27 @@ def test_the_token_probe_is_skipped_where_nothing_listens(monkeypatch: pytest.Mo
         port = free.getsockname()[1]  # closed again below: nothing listens there
     check_token(f"127.0.0.1:{port}")
     check_token("auto")  # Ray finds a local cluster and its token itself
+
+
+def test_a_local_tracking_store_over_ray_client_stops_before_any_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through ray:// the driver is not on the cluster: no actor beside it can write its
+    sqlite file, so the run stops, naming tracking.uri and the fix; a server is fine."""
+    import ray.util.client
+
+    from raylift.config import EnvironmentProblem
+    from raylift.launch import tracking_for_run
+
+    monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
+    with (
+        pytest.raises(
+            EnvironmentProblem, match=r"tracking\.uri: sqlite:////x/mlflow\.db .*http://"
+        ),
+        tracking_for_run("sqlite:////x/mlflow.db"),
+    ):
+        pass
+    from raylift.tracking import is_local_store
+
+    assert is_local_store("sqlite:///a.db") and is_local_store("./mlruns")
+    assert not is_local_store("http://127.0.0.1:5000")

@@ -78,6 +78,11 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
     dispatcher.emit({"lines": ["", "  "], "pid": 1})  # a flush's blank line
     dispatcher.emit({"lines": [CPP, *DUMP], "pid": 1})
     assert printed == [ours, "Traceback (most recent call last):"]
+    # What Ray's own processes publish goes to a file in Ray's logs folder, not here.
+    busy = "WARNING: 8 PYTHON worker processes have been started on node: 25a8"
+    dispatcher.emit({"lines": [busy], "pid": "raylet"})
+    assert printed == [ours, "Traceback (most recent call last):"]
+    assert busy in console._ray_messages_file().read_text()
 
 
 def test_verbose_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,40 +98,51 @@ def test_verbose_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     assert console.quiet_env() == {console.VERBOSE_ENV: "1"}
 
 
-def test_rank0_writes_land_in_order_and_close_waits_for_them(tmp_path: Path) -> None:
+def test_rank0_writes_land_in_order_and_close_waits_for_them(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    """Through the tracking actor on this node, as rank 0 writes from any node."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow = tracking.client(uri)
     exp = mlflow.create_experiment("t")
     run_id = mlflow.create_run(exp).info.run_id
-    tracker = tracking.MlflowTracker(uri, run_id)
+    service = tracking.start_service(uri)
+    tracker = tracking.ServiceTracker(service, run_id)
     for step in range(5):
         tracker.log_metrics({"loss": 1.0 / (step + 1)}, step)
     tracker.set_tags({"k": "v"})
+    (tmp_path / "trace.json").write_text("{}")
+    tracker.log_artifact(tmp_path / "trace.json", "doctor")
     tracker.close()
     history = mlflow.get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in history] == [(s, 1.0 / (s + 1)) for s in range(5)]
     assert mlflow.get_run(run_id).data.tags["k"] == "v"
+    assert [a.path for a in mlflow.list_artifacts(run_id, "doctor")] == ["doctor/trace.json"]
 
 
-def test_a_failed_write_is_raised_not_lost(tmp_path: Path) -> None:
+def test_a_failed_write_is_raised_not_lost(ray_cluster: str, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = tracking.MlflowTracker(uri, "no-such-run")
+    tracker = tracking.ServiceTracker(tracking.start_service(uri), "no-such-run")
     tracker.log_metrics({"loss": 1.0}, 0)
     with pytest.raises(Exception, match="no-such-run"):
         tracker.close()
 
 
-def test_a_restarted_group_finds_its_command_start_up_logged(tmp_path: Path) -> None:
+def test_a_restarted_group_finds_its_command_start_up_logged(
+    ray_cluster: str, tmp_path: Path
+) -> None:
     """Rank 0 of a group Ray Train restarted sees this command's start-up in MLflow and
     leaves it; a later command resuming the run (a newer origin) logs its own."""
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow = tracking.client(uri)
     run_id = mlflow.create_run(mlflow.create_experiment("t")).info.run_id
+    service = tracking.start_service(uri)
+    store = tracking.RemoteStore(service)
     command = Startup.begin(time.time() - 5.0)
-    assert not logged_startup_since(uri, run_id, command.origin)
-    tracker = tracking.MlflowTracker(uri, run_id)
+    assert not logged_startup_since(store, run_id, command.origin)
+    tracker = tracking.ServiceTracker(service, run_id)
     command.mark("first_step")
     tracker.log_metrics(command.metrics(), 1)
     tracker.close()
-    assert logged_startup_since(uri, run_id, command.origin)
-    assert not logged_startup_since(uri, run_id, time.time() + 1.0)
+    assert logged_startup_since(store, run_id, command.origin)
+    assert not logged_startup_since(store, run_id, time.time() + 1.0)

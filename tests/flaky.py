@@ -59,3 +59,18 @@ class KilledGPT(GPTTask):
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no goodbye: as the OOM killer does
         loss = super().loss(model, batch)
         return loss * float("nan") if self.calls == self.nan_at else loss
+
+
+class BrokenDigits(DigitsTask):
+    """The digits task with a bug in its loss at the ``break_at``-th call on rank 0, as a
+    user's own code might raise."""
+
+    def __init__(self, break_at: int = 3, **kwargs: object):
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.break_at, self.calls = break_at, 0
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.break_at and dist.get_rank() == 0:
+            raise ValueError(f"shapes do not match at call {self.calls}: a bug in the task")
+        return super().loss(model, batch)

@@ -245,6 +245,19 @@ def newest_complete(
         return None
 
 
+def newest_written(run_dir: str) -> str | None:
+    """The newest checkpoint every rank finished writing, by a listing alone (no file is
+    read but the loop state): where a restart will resume, as far as a glance tells."""
+    for candidate in reversed(checkpoint_dirs(run_dir)):
+        names = {name for name, _ in storage.files_under(candidate)}
+        if LOOP_FILE not in names:
+            continue
+        world = int(read_loop_state(candidate).get("world_size", 1))
+        if all(_done_file(r) in names for r in range(world)):
+            return candidate
+    return None
+
+
 def read_loop_state(directory: str | Path) -> dict[str, Any]:
     data = storage.read_bytes(storage.join(str(directory), LOOP_FILE))
     if data is None:
@@ -340,7 +353,7 @@ class Checkpointer:
             }
         )
         self.ctx.log(
-            f"resumed from {directory} at step {state.step} "
+            f"raylift: resumed from {directory} at step {state.step} "
             f"(epoch {state.epoch}, row {state.epoch_rows} of its order; "
             f"{saved_world} -> {now} workers, restart {state.restarts})"
         )

@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -233,6 +234,10 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
     )
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raylift.faults import FaultReporter
+
+    # A Train V2 UserCallback, which ray.train's V1 type hints do not know.
+    faults: Any = FaultReporter(cfg.train.max_failures, storage.join(where, cfg.name))
     sc = cfg.scaling
     resources = worker_resources(cfg)
     start_timeout, retries = placement_bounds(sc.placement_timeout_s, _USER_ATTEMPT_S)
@@ -266,8 +271,10 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
                 max_failures=cfg.train.max_failures, controller_failure_limit=retries
             ),
             worker_runtime_env={"env_vars": dict(WORKER_ENV)},
-            logging_config=LoggingConfig(log_level="WARNING"),
-            callbacks=list(callbacks),
+            # Ray Train's own records (a failure's tracebacks among them) go to its log
+            # files; the console has raylift's account of them (raylift.faults).
+            logging_config=LoggingConfig(log_level="WARNING" if console.verbose() else "CRITICAL"),
+            callbacks=[faults, *callbacks],
         ),
     )
 
@@ -587,19 +594,53 @@ def _bundle_sum(pg: dict[str, Any]) -> dict[str, float]:
 
 
 def _failure_message(exc: BaseException, cfg: Config) -> str:
-    root: BaseException = exc
-    while root.__cause__ is not None:
-        root = root.__cause__
-    text = str(root).strip().splitlines()
-    detail = text[-1] if text else type(root).__name__
+    group = _worker_group_error(exc)
+    if group is not None:  # which rank, and its traceback: printed here, once
+        from raylift.faults import cause, primary
+
+        rank, failed = primary(dict(group.worker_failures))
+        what, node = cause(failed)
+        where = f" on node {node}" if node else ""
+        root: BaseException = failed
+        head = f"training run {cfg.name!r} failed: worker rank {rank}{where}: {what}"
+        # A dead process has no traceback of its own; an exception in the task's code has.
+        trace = "" if "process died" in what else _snippet(group, rank)
+    else:
+        root = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        text = str(root).strip().splitlines()
+        trace, head = "", f"training run {cfg.name!r} failed: {text[-1] if text else root!r}"
     if "No space left on device" in str(root) or getattr(root, "errno", None) == errno.ENOSPC:
         return (
             f"training run {cfg.name!r} failed: the disk under storage {cfg.storage!r} is full "
-            f"({detail})\n  free space there or set storage elsewhere, then rerun the same "
-            "command: it resumes from the newest complete checkpoint, skipping the cut-off one"
+            f"({str(root).strip().splitlines()[-1]})\n  free space there or set storage "
+            "elsewhere, then rerun the same command: it resumes from the newest complete "
+            "checkpoint, skipping the cut-off one"
         )
     return (
-        f"training run {cfg.name!r} failed: {detail}\n"
-        f"  the full worker traceback is above; fix the cause and rerun the same command "
-        f"to resume from the latest checkpoint"
+        f"{head}\n"
+        + (f"{trace}\n" if trace else "")
+        + "  fix the cause and rerun the same command to resume from the latest checkpoint"
     )
+
+
+def _worker_group_error(exc: BaseException) -> Any:
+    """Ray Train's WorkerGroupError (rank -> exception) anywhere in ``exc``'s chain."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "worker_failures", None):
+            return seen
+        seen = seen.__cause__
+    return None
+
+
+def _snippet(group: Any, rank: int) -> str:
+    """The traceback Ray Train kept of ``rank``'s exception (its exceptions come back to
+    the driver without one)."""
+    found = re.search(
+        rf"\[Rank {rank} Error Snippet\]:\n(.*?)(?=\n\[Rank \d+ Error Snippet\]:|\Z)",
+        str(getattr(group, "_error_message", "")),
+        re.DOTALL,
+    )
+    return found.group(1).strip() if found else ""

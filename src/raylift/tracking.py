@@ -71,7 +71,8 @@ def client(uri: str) -> Any:
         import mlflow.entities  # noqa: F401  (imported for its side effect: loaded once)
         from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    with one_at_a_time(uri):  # a new sqlite store is created and migrated here
+        return MlflowClient(tracking_uri=uri)
 
 
 def metric_since(uri: str, run_id: str, key: str, since_s: float) -> float | None:
@@ -123,25 +124,40 @@ def start_run(
         return _start_run(cfg, uri, run_key(cfg, storage), resume, world_size, extra_tags)
 
 
+_HELD = threading.RLock()  # this process's share of the host-wide lock below
+_DEPTH: dict[str, int] = {}
+
+
 @contextlib.contextmanager
 def one_at_a_time(uri: str) -> Iterator[None]:
     """Processes on this host open a sqlite store one at a time while inside: MLflow
-    creates and migrates a new database on first use, and two commands started together
-    in one folder (a sweep beside a run) would migrate it at once and one would fail;
-    so would two creating the same experiment. Servers need no lock."""
+    creates and migrates a new database on first use, and two processes that do it at
+    once (two commands started together, a driver and its tracking actor) collide and
+    one fails; so would two creating the same experiment. Re-entrant within a process;
+    servers need no lock."""
     if not uri.startswith("sqlite:///"):
         yield
         return
     import fcntl
 
     db = uri.removeprefix("sqlite:///")
-    name = hashlib.sha1(db.encode()).hexdigest()[:16]
-    with open(Path(tempfile.gettempdir()) / f"raylift-mlflow-{name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with _HELD:
+        if _DEPTH.get(db):
+            _DEPTH[db] += 1
+            try:
+                yield
+            finally:
+                _DEPTH[db] -= 1
+            return
+        name = hashlib.sha1(db.encode()).hexdigest()[:16]
+        with open(Path(tempfile.gettempdir()) / f"raylift-mlflow-{name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _DEPTH[db] = 1
+            try:
+                yield
+            finally:
+                _DEPTH.pop(db, None)
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _start_run(

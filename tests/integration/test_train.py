@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raylift import storage
 from raylift.cli import main as cli_main
 from raylift.config import load_config
 from raylift.launch import WORKER_ENV, train
@@ -143,15 +144,16 @@ def test_ctrl_c_of_the_driver_then_rerun_resumes(ray_cluster: str, in_tmp: Path)
 
 
 @pytest.fixture(scope="module")
-def kill_storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One storage for the kill tests: every run shares the shards prepared by the first."""
-    return tmp_path_factory.mktemp("kill-runs")
+def kill_storage(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One storage on the S3 server for the kill tests: every run shares the shards
+    prepared by the first."""
+    return f"s3://runs/{tmp_path_factory.mktemp('kill-runs').name}"
 
 
-def kill_overrides(storage: Path) -> list[str]:
+def kill_overrides(storage: str, marker: Path) -> list[str]:
     return [
         "task=tests.flaky:KilledGPT",
-        f"task_args.marker={storage / 'killed'}",
+        f"task_args.marker={marker}",
         "task_args.kill_at=6",
         "task_args.max_bytes=200000",
         "task_args.n_layer=2",
@@ -169,56 +171,81 @@ def kill_overrides(storage: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_cluster: str, kill_storage: Path) -> dict[str, float]:
+def uninterrupted(
+    ray_cluster: str, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, float]:
     """The run without a kill, on DDP: in fp32 every strategy follows DDP's curve to ~1e-6
     (test_strategies), so one reference serves them all."""
-    (kill_storage / "killed").write_text("no kill")
-    extra = ["name=clean", f"tracking.uri=sqlite:///{kill_storage / 'mlflow.db'}"]
-    cfg = load_config(REPO / "configs" / "gpt-tiny.yaml", [*kill_overrides(kill_storage), *extra])
-    return train(cfg).metrics
+    tmp = tmp_path_factory.mktemp("clean")
+    (tmp / "killed").write_text("no kill")
+    extra = ["name=clean", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]
+    overrides = [*kill_overrides(kill_storage, tmp / "killed"), *extra]
+    return train(load_config(REPO / "configs" / "gpt-tiny.yaml", overrides)).metrics
 
 
 @pytest.mark.slow
-# DDP only: its DCP checkpoint is written by every rank into its own folder and merged by
-# Ray, as every sharded strategy's is. That FSDP, fairscale and DeepSpeed checkpoints
-# resume and reshard to another world size is shown without Ray's restart around it, in
-# test_strategies and test_deepspeed.
-@pytest.mark.parametrize("strategy", ["tiny"])
-def test_a_killed_worker_costs_one_checkpoint_interval_then_the_run_resumes_smaller(
-    ray_cluster: str, in_tmp: Path, kill_storage: Path, uninterrupted: dict, strategy: str
+def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where_it_was(
+    ray_cluster: str, in_tmp: Path, kill_storage: str, uninterrupted: dict
 ) -> None:
-    """SIGKILL of rank 1 mid-run: Ray restarts the group from the latest checkpoint and the
-    run ends where an uninterrupted one does. Then the same run resumes on 1 worker (each
-    rank wrote its shards to its own folder, Ray merged them) and exports."""
-    marker = kill_storage / "killed"
-    common = kill_overrides(kill_storage)
-    path = REPO / "configs" / f"gpt-{strategy}.yaml"
-    marker.unlink(missing_ok=True)
-    killed = train(load_config(path, [*common, f"name=kill-{strategy}"]))
-    assert marker.read_text().startswith("killed pid"), "rank 1 was never killed"
-    assert killed.metrics["step"] == 12
-    assert killed.metrics["val_loss"] == pytest.approx(uninterrupted["val_loss"], rel=0.02)
-    client, run = mlflow_run(in_tmp, killed.run_id)
-    assert history(client, killed.run_id, "restarts") == {4: 1.0}
-    # Killed at step 6, restarted from step 4: two steps redone, within one interval of 4.
-    assert run.data.tags["raylift.restart.1"].startswith("step 4 from checkpoint-step00000004")
-    # The start-up is the command's, logged once at its first step, not again by the restart.
-    assert list(history(client, killed.run_id, "startup/total_s")) == [1]
-    smaller = train(
-        load_config(
-            path, [*common, f"name=kill-{strategy}", "train.max_steps=16", "scaling.num_workers=1"]
-        )
+    """Storage on the S3 server. SIGKILL of rank 1 mid-run: one console line says so and
+    Ray restarts the group from the newest checkpoint; the run ends where an uninterrupted
+    one does, in one MLflow run; a second writer of the run is refused meanwhile. Then it
+    resumes on 1 worker, verifies and exports from s3://, and a damaged newest checkpoint
+    in the store is found and passed over."""
+    marker = in_tmp / "killed"
+    common = [str(REPO / "configs" / "gpt-tiny.yaml"), *kill_overrides(kill_storage, marker)]
+    run = f"{kill_storage}/kill"
+    cmd = [sys.executable, "-m", "raylift.cli", "train", *common, "name=kill"]
+    killed = subprocess.Popen(
+        cmd, cwd=in_tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    assert smaller.run_id == killed.run_id and smaller.metrics["step"] == 16
+    deadline = time.time() + 120
+    while not storage.is_file(f"{run}/.raylift-lock") and time.time() < deadline:
+        time.sleep(0.5)
+    second = subprocess.run(cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True)
+    out, _ = killed.communicate(timeout=400)
+    assert killed.returncode == 0, out[-3000:]
+    assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+    assert f"run 'kill' is already running: pid {killed.pid}" in second.stderr
+    assert marker.read_text().startswith("killed pid"), "rank 1 was never killed"
+    # The console: raylift's lines only; the fault is one of them, naming what and where.
+    lines = out.splitlines()
+    assert not [line for line in lines if not line.startswith(OURS)], out
+    (fault,) = [line for line in lines if "failed:" in line]
+    assert fault.startswith("raylift: worker rank 1 on node ") and "its process died" in fault
+    assert fault.endswith(
+        f"restarting the workers from {run}/checkpoint-step00000004 (restart 1 of 1)"
+    )
+    assert f"resumed from {run}/checkpoint-step00000004 at step 4" in out
+    assert f"raylift: checkpoint {run}/checkpoint-step00000012" in out
+    run_id = re.search(r"MLflow run (\w+)", out).group(1)  # type: ignore[union-attr]
+    client, mlrun = mlflow_run(in_tmp, run_id)
+    assert mlrun.data.metrics["val_loss"] == pytest.approx(uninterrupted["val_loss"], rel=0.02)
+    assert history(client, run_id, "restarts") == {4: 1.0}
+    # Killed at step 6, restarted from step 4: two steps redone, within one interval of 4.
+    assert mlrun.data.tags["raylift.restart.1"].startswith("step 4 from checkpoint-step00000004")
+    # The start-up is the command's, logged once at its first step, not again by the restart.
+    assert list(history(client, run_id, "startup/total_s")) == [1]
+    gpt = load_config(
+        *common[:1], [*common[1:], "name=kill", "train.max_steps=16", "scaling.num_workers=1"]
+    )
+    smaller = train(gpt)
+    assert smaller.run_id == run_id and smaller.metrics["step"] == 16
     # One MLflow run across the kill and the rerun; nothing logged twice; what changed is tagged.
-    assert sorted(history(client, killed.run_id, "train_loss")) == [4, 8, 12, 16]
-    assert sorted(history(client, killed.run_id, "startup/total_s")) == [1, 13]  # the rerun's
-    _, run = mlflow_run(in_tmp, killed.run_id)
-    assert run.data.tags["raylift.resume_override.train.max_steps"] == "16"
-    bpb = history(client, killed.run_id, "val_bpb")
+    assert sorted(history(client, run_id, "train_loss")) == [4, 8, 12, 16]
+    assert sorted(history(client, run_id, "startup/total_s")) == [1, 13]  # the rerun's
+    _, mlrun = mlflow_run(in_tmp, run_id)
+    assert mlrun.data.tags["raylift.resume_override.train.max_steps"] == "16"
+    bpb = history(client, run_id, "val_bpb")
     assert bpb[0] > 7.0 and bpb[16] < bpb[0] - 1.0  # from ~8 bits (uniform) down
-    assert history(client, killed.run_id, "tokens_per_s")
-    assert history(client, killed.run_id, "model_state_bytes_per_rank")
-    out = in_tmp / "model.pt"
-    assert cli_main(["export", str(kill_storage / f"kill-{strategy}"), "--out", str(out)]) == 0
-    assert len(torch.load(out, weights_only=True)) > 0
+    assert history(client, run_id, "tokens_per_s")
+    # From the store: verify and export exit 0; a damaged newest checkpoint is found.
+    assert cli_main(["verify", run]) == 0
+    assert cli_main(["export", run, "--out", str(in_tmp / "model.pt")]) == 0
+    assert len(torch.load(in_tmp / "model.pt", weights_only=True)) > 0
+    newest = f"{run}/checkpoint-step00000016"
+    victim = f"{newest}/loop_state.pt"
+    damaged = bytearray(storage.read_bytes(victim) or b"")
+    damaged[len(damaged) // 2] ^= 0xFF
+    storage.write_bytes(victim, bytes(damaged))
+    assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12

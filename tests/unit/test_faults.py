@@ -251,3 +251,38 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     assert f"from {older} to" in capsys.readouterr().out  # the scheme kept
     assert torch.load(tmp_path / "m.pt", weights_only=True).keys() == exported.keys()
     assert sum(1 for _ in resumed.parameters()) > 0
+
+
+DIED = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker\n"
+    "\tpid: 29630\n\tip: 10.0.3.7\nThe actor is dead because its worker process has died. "
+    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
+    "connection error code 2. End of file. Some common causes include: ..."
+)
+
+
+class ActorDiedError(RuntimeError):
+    """Named as Ray's is: the report reads the type's name and Ray's message."""
+
+
+def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_restarts() -> None:
+    from raylift.faults import describe
+
+    # Rank 1 died; rank 0's all-reduce broke because of it: rank 1 is named, once.
+    failures = {0: RuntimeError("Connection reset by peer"), 1: ActorDiedError(DIED)}
+    ckpt = "s3://runs/r1/digits-ddp/checkpoint-step00000100"
+    line = describe(failures, 1, 3, ckpt)
+    assert line == (
+        "raylift: worker rank 1 on node 10.0.3.7 failed: its process died (SYSTEM_ERROR: "
+        "Worker unexpectedly exits with a connection error code 2): killed, out of memory "
+        "or crashed, 1 other rank(s) failed with it; restarting the workers from "
+        f"{ckpt} (restart 1 of 3)"
+    )
+    assert "\n" not in line
+    last = describe({0: ValueError("shapes do not match\nat call 3")}, 2, 1, None)
+    assert last == (
+        "raylift: worker rank 0 failed: ValueError: at call 3; "
+        "no restarts left (train.max_failures: 1): the run fails"
+    )
+    first = describe({1: ActorDiedError(DIED)}, 1, -1, None)
+    assert first.endswith("from step 0 (no checkpoint was written yet) (restart 1, no limit)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -352,3 +353,27 @@ def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
         settle(trainer.engine)
     if rank == 0:
         torch.save(results, out)
+
+
+def stop_ray_of(temp_dir: str, timeout: float = 15.0) -> int:
+    """Stop every process of the Ray started with ``--temp-dir=temp_dir`` (its GCS,
+    raylets, monitor, agents and their children, fake nodes included), by pid: ``ray
+    stop`` would stop every Ray on the host. Returns how many there were."""
+    import psutil
+
+    me = psutil.Process()
+    spared = {me.pid, *(p.pid for p in me.parents())}  # whatever named the folder to us
+    found: set[psutil.Process] = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.pid not in spared and temp_dir in " ".join(proc.info["cmdline"] or []):
+            found.add(proc)
+            with contextlib.suppress(psutil.Error):
+                found.update(proc.children(recursive=True))
+    for proc in found:
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+    _, alive = psutil.wait_procs(list(found), timeout=timeout)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    return len(found)

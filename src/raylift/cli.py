@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
         "index, as save_pretrained writes them (default 5GB)",
     )
     exp.add_argument("overrides", nargs="*", help="key=value overrides of --config")
+    chk = verbs.add_parser(
+        "check", help="can this run start on this cluster: storage, tracking, versions, fit"
+    )
+    _config_args(chk)
+    chk.add_argument(
+        "--cluster-config",
+        help="the cluster's `ray up` YAML: its node types say what the autoscaler can add",
+    )
     ver = verbs.add_parser("verify", help="check a run's checkpoints (sizes, checksums) offline")
     ver.add_argument("run", help="a run folder: storage/name, e.g. runs/digits-ddp")
     return parser
@@ -274,6 +282,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """Exit 0 when the run can start on the cluster, 2 with each problem and its fix."""
+    from raylift.check import check, render
+    from raylift.launch import connect_ray
+
+    cfg = load_config(args.config, args.overrides)
+    connect_ray(cfg)
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    report = check(cfg, args.cluster_config)
+    print(render(report, f"the cluster at {address}"))
+    return EXIT_OK if report.ok else EXIT_BAD_INPUT
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
@@ -320,6 +343,7 @@ COMMANDS = {
     "submit": cmd_submit,
     "export": cmd_export,
     "verify": cmd_verify,
+    "check": cmd_check,
     "plan": cmd_plan,
     "doctor": cmd_doctor,
 }

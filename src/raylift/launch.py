@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift import console, runlock, storage, tracking
+from raylift.check import before_workers
 from raylift.config import AUTO, Config, ConfigError, EnvironmentProblem
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
@@ -332,6 +333,9 @@ def _train(
     # Workers run in folders of their own: they get the storage this driver resolved.
     cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where)
     startup.mark("auto")
+    problems = before_workers(cfg)  # a cluster of several nodes: storage and tracking
+    if problems:
+        raise EnvironmentProblem("; ".join(problems))
     if held is not None:
         held.confirm()  # before anything is written to the run's folder
     record_config(cfg, storage.join(where, cfg.name))
@@ -340,7 +344,8 @@ def _train(
         tags = {**(extra_tags or {}), **parent}  # a sweep's trials are its children
         run_id = store.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
         startup.mark("mlflow")
-        spec = RunSpec(cfg, shards, run_id, uri, service, cache, probe, startup)
+        shared = shared_marker(where, cfg.name)
+        spec = RunSpec(cfg, shards, run_id, uri, service, cache, probe, startup, shared)
         fit_started = time.time()
         result = fit(build_trainer(cfg, where, spec, callbacks), spec, store)
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
@@ -395,6 +400,20 @@ def closing_metrics(
     if bad is not None:
         metrics["nonfinite_step"] = bad
     return ckpt, metrics
+
+
+def shared_marker(where: str, name: str) -> str | None:
+    """For local storage, a marker in the run's folder that every worker must see (the
+    folder is shared by its node); its token. None for an object store."""
+    if storage.is_remote(where):
+        return None
+    import uuid
+
+    from raylift.worker import SHARED_MARKER
+
+    token = uuid.uuid4().hex
+    storage.write_text(storage.join(where, name, SHARED_MARKER), token)
+    return token
 
 
 def record_config(cfg: Config, run_dir: str) -> None:

@@ -33,6 +33,9 @@ class RunSpec:
     cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
     probe: ProbeSettings | None = None  # raylift doctor's windows
     startup: Startup | None = None  # the driver's start-up phases; workers add theirs
+    # A local storage folder: the token of the marker the driver wrote there, which every
+    # worker must see (its node shares the folder); None for an object store.
+    shared_token: str | None = None
 
 
 def worker_main(loop_config: dict[str, Any]) -> None:
@@ -54,6 +57,7 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     console.warnings_to_ray_logs()
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
+    check_shared(spec)
     if rank == 0 and startup is not None and restarted(spec, startup):
         # Ray Train restarted the group after a failure: this command's start-up stands as
         # logged; measured from the command again, it would take in the training before.
@@ -66,6 +70,27 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         trainer.run()
     finally:
         trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
+
+
+SHARED_MARKER = ".raylift-driver"
+
+
+def check_shared(spec: RunSpec) -> None:
+    """A worker on a node the autoscaler added after the driver's check: its local storage
+    folder must be the driver's (shared), or nothing it writes is where the run looks."""
+    if spec.shared_token is None:
+        return
+    marker = storage.join(spec.config.storage, spec.config.name, SHARED_MARKER)
+    if storage.read_text(marker) != spec.shared_token:
+        import ray.util
+
+        from raylift.config import EnvironmentProblem
+
+        raise EnvironmentProblem(
+            f"storage: {spec.config.storage} is a folder on the driver's machine that this "
+            f"worker's node ({ray.util.get_node_ip_address()}) does not see: on a cluster set "
+            "storage to s3://..., gs://... or a folder every node mounts (NFS)"
+        )
 
 
 def restarted(spec: RunSpec, startup: Startup) -> bool:

@@ -60,7 +60,9 @@ def probe(storage_dir: str, token: str) -> NodeFacts:
     import ray
 
     node = ray.get_runtime_context().get_node_id()
-    problem, sees = storage_probe(storage_dir, token, node[:12])
+    # The whole id: fake_multinode's ids differ only in their last digits, and two nodes
+    # sharing a marker's name would delete each other's before it is read back.
+    problem, sees = storage_probe(storage_dir, token, node)
     cuda, nccl, memory = gpu_facts()
     return NodeFacts(
         node_id=node,

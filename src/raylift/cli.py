@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_argument("--address", required=True, help="the Ray dashboard, http://HOST:8265")
     sub.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    sub.add_argument(
+        "--in-place",
+        action="store_true",
+        help="every node mounts this folder at the same path (NFS): run there, ship no copy",
+    )
     _config_args(verbs.add_parser("validate", help="load and check a config, print it resolved"))
     prep = verbs.add_parser("prep", help="preprocess once with Ray Data into parquet shards")
     _config_args(prep)
@@ -269,7 +274,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
         parse_sweep(cfg)  # a bad tune: section fails here, not on the cluster
     try:
-        jobs, job_id = submit(cfg, args.config, verb, args.overrides, args.address)
+        jobs, job_id = submit(
+            cfg, args.config, verb, args.overrides, args.address, in_place=args.in_place
+        )
     except (RuntimeError, ConnectionError) as exc:
         print(f"raylift: submitting to {args.address} failed: {exc}", file=sys.stderr)
         return EXIT_FAILED

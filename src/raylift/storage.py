@@ -10,14 +10,29 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import pyarrow.fs
 
 CHUNK = 64 << 20  # bytes read at a time when streaming a file (checksums, copies)
+RETRIES = (0.2, 1.0)  # seconds before each further try of an object store's operation
+T = TypeVar("T")
+
+
+def retried(path: str, operation: Callable[[], T]) -> T:
+    """``operation()``, tried again after a short wait where ``path`` is a URI: object
+    stores answer a small share of requests with a transient error (seen here: S3's
+    INTERNAL_FAILURE on a GetObject that the next try served)."""
+    for wait in RETRIES if is_remote(path) else ():
+        try:
+            return operation()
+        except OSError:
+            time.sleep(wait)
+    return operation()
 
 
 def is_remote(path: str) -> bool:
@@ -150,10 +165,14 @@ def read_bytes(path: str) -> bytes | None:
     import pyarrow.fs as pafs
 
     fs, where = filesystem(path)
-    if fs.get_file_info(where).type != pafs.FileType.File:
-        return None
-    with fs.open_input_stream(where) as f:
-        return bytes(f.read())
+
+    def read() -> bytes | None:
+        if fs.get_file_info(where).type != pafs.FileType.File:
+            return None
+        with fs.open_input_stream(where) as f:
+            return bytes(f.read())
+
+    return retried(path, read)
 
 
 def read_text(path: str) -> str | None:
@@ -173,9 +192,13 @@ def read_chunks(path: str, chunk: int = CHUNK) -> Iterator[bytes]:
 def write_bytes(path: str, data: bytes) -> None:
     """Write ``data`` to ``path``, replacing what was there; the folder is made if missing."""
     fs, where = filesystem(path)
-    fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
-    with fs.open_output_stream(where) as out:
-        out.write(data)
+
+    def write() -> None:
+        fs.create_dir(where.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(where) as out:
+            out.write(data)
+
+    retried(path, write)
 
 
 def write_text(path: str, text: str) -> None:
@@ -186,8 +209,12 @@ def write_text(path: str, text: str) -> None:
 def delete(path: str) -> None:
     """Remove the file at ``path``; nothing happens where there is none."""
     fs, where = filesystem(path)
-    with contextlib.suppress(FileNotFoundError):
-        fs.delete_file(where)
+
+    def remove() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.delete_file(where)
+
+    retried(path, remove)
 
 
 def delete_dir_if_empty(path: str) -> None:

@@ -50,14 +50,19 @@ def pip_packages(cfg: Config) -> list[str]:
 TASK_EXTRAS = {"hf-causal-lm": ["transformers>=4.45"]}
 
 
-def runtime_env(cfg: Config, working_dir: Path) -> dict[str, Any]:
+def runtime_env(cfg: Config, working_dir: Path, in_place: bool = False) -> dict[str, Any]:
+    """The job's runtime env: ``working_dir`` shipped (uploaded, unpacked on each node), or
+    ``in_place`` where every node mounts it at the same path (Ray's ``local://``)."""
     from raylift.launch import WORKER_ENV
+    from raylift.tracking import SUBMITTED
 
-    env: dict[str, Any] = {
-        "working_dir": str(working_dir),
-        "excludes": EXCLUDES,
-        "env_vars": dict(WORKER_ENV),
-    }
+    # The default store goes to $RAYLIFT_HOME on the head, outliving the job's folder.
+    env_vars = {**WORKER_ENV, SUBMITTED: "1"}
+    env: dict[str, Any] = {"env_vars": env_vars}
+    if in_place:
+        env["working_dir"] = f"local://{working_dir}"
+    else:
+        env.update(working_dir=str(working_dir), excludes=EXCLUDES)
     if packages := pip_packages(cfg):
         env["pip"] = packages
     return env
@@ -91,6 +96,7 @@ def submit(
     verb: str,
     overrides: Sequence[str],
     address: str,
+    in_place: bool = False,
 ) -> tuple[Any, str]:
     working_dir = Path.cwd().resolve()
     rel = config_in_working_dir(config, working_dir)
@@ -98,7 +104,7 @@ def submit(
     request = {
         "entrypoint": entrypoint(rel, verb, overrides),
         "submission_id": submission_id(cfg, verb),
-        "runtime_env": runtime_env(cfg, working_dir),
+        "runtime_env": runtime_env(cfg, working_dir, in_place),
         "metadata": {"raylift.name": cfg.name, "raylift.verb": verb},
     }
     deadline = time.monotonic() + AGENT_WAIT_S

@@ -14,7 +14,9 @@ import MLflow.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -30,9 +32,20 @@ SECRET = re.compile(r"token|secret|password|passwd|key", re.IGNORECASE)
 REDACTED = "***"
 
 
+# Set by `raylift submit` in its job: the job runs in Ray's copy of the shipped folder,
+# which Ray replaces or deletes, so its default store lives in $RAYLIFT_HOME on the head.
+SUBMITTED = "RAYLIFT_SUBMITTED_JOB"
+HOME_VAR, HOME_DEFAULT = "RAYLIFT_HOME", "~/.raylift"
+
+
 def default_uri() -> str:
-    """``sqlite:///<cwd>/mlflow.db``, absolute so workers elsewhere write to the same store."""
-    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    """``sqlite:///<cwd>/mlflow.db`` (a submitted job's: ``$RAYLIFT_HOME/mlflow.db``, by
+    default ``~/.raylift``), absolute, so every process of the run names the same store."""
+    if not os.environ.get(SUBMITTED):
+        return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+    folder = Path(os.environ.get(HOME_VAR) or HOME_DEFAULT).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder.resolve() / 'mlflow.db'}"
 
 
 def tracking_uri(cfg: Config) -> str:
@@ -207,6 +220,18 @@ def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None =
     mlflow.set_terminated(run_id, status=status)
 
 
+@dataclasses.dataclass(frozen=True)
+class DatasetRecord:
+    """One MLflow dataset input: what a run trained on, told apart by its digest."""
+
+    name: str
+    digest: str
+    source: str  # a URI or path
+    source_type: str  # "local", "s3", "gs", ... (the URI's scheme); "code" for a package's data
+    context: str  # "training": the shards read; "source": the raw data they came from
+    profile: dict[str, Any]
+
+
 class Store:
     """What raylift asks of one tracking store. The driver uses one in its own process; as
     the tracking actor on the driver's node it serves the workers and trials."""
@@ -241,7 +266,7 @@ class Store:
             tags=[RunTag(k, v) for k, v in (tags or {}).items()],
         )
 
-    def log_artifact(self, run_id: str, filename: str, data: bytes, folder: str) -> None:
+    def log_artifact(self, run_id: str, filename: str, data: bytes, folder: str | None) -> None:
         """A file of a worker's, sent as its bytes: the worker's disk is not this node's."""
         import tempfile
 
@@ -249,6 +274,50 @@ class Store:
             path = Path(tmp) / filename
             path.write_bytes(data)
             self.client.log_artifact(run_id, str(path), folder)
+
+    def log_model(
+        self, run_id: str, folder: str, tags: dict[str, str], register_as: str | None
+    ) -> tuple[str, str | None]:
+        """``folder`` as the run's MLflow logged model (its id), and as a new version of
+        the registered model ``register_as`` where given (``models:/NAME/VERSION``)."""
+        from raylift.mlmodel import MODEL_NAME
+
+        mlflow = self.client
+        exp_id = mlflow.get_run(run_id).info.experiment_id
+        model = mlflow.create_logged_model(
+            exp_id, name=MODEL_NAME, source_run_id=run_id, tags=tags, model_type="raylift"
+        )
+        try:
+            mlflow.log_model_artifacts(model.model_id, folder)
+        except BaseException:
+            mlflow.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        mlflow.finalize_logged_model(model.model_id, "READY")
+        if not register_as:
+            return model.model_id, None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            mlflow.create_registered_model(register_as)
+        except MlflowException as exc:
+            if "ALREADY_EXISTS" not in str(exc.error_code):
+                raise
+        version = mlflow.create_model_version(
+            register_as, source=f"models:/{model.model_id}", run_id=run_id,
+            model_id=model.model_id,
+        )  # fmt: skip
+        return model.model_id, f"models:/{register_as}/{version.version}"
+
+    def log_datasets(self, run_id: str, datasets: list[DatasetRecord]) -> None:
+        """The data a run trained on, as MLflow dataset inputs (one per record)."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        inputs = []
+        for d in datasets:
+            source = json.dumps({"uri": d.source})
+            found = Dataset(d.name, d.digest, d.source_type, source, profile=json.dumps(d.profile))
+            inputs.append(DatasetInput(found, [InputTag("mlflow.data.context", d.context)]))
+        self.client.log_inputs(run_id, datasets=inputs)
 
     def metric_since(self, run_id: str, key: str, since_s: float) -> float | None:
         return metric_since(self.uri, run_id, key, since_s)

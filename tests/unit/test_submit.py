@@ -67,3 +67,10 @@ def test_validate_prints_no_secret_values(capsys: pytest.CaptureFixture[str]) ->
     assert main(["validate", str(QUICKSTART), *args]) == 0
     out = capsys.readouterr().out
     assert "abc123" not in out and "wandb_api_key: '***'" in out and "train_batch_size: 8" in out
+
+
+def test_in_place_runs_in_the_folder_every_node_mounts(tmp_path: Path) -> None:
+    from raylift.config import Config
+
+    env = runtime_env(Config(), tmp_path, in_place=True)
+    assert env["working_dir"] == f"local://{tmp_path}" and "excludes" not in env

@@ -1,0 +1,257 @@
+"""The cluster as it is: cluster/local-fake.yaml (Ray's fake_multinode autoscaler; the head
+holds no worker), storage on the S3 server. `raylift check` before a run; a fixed-size run
+gets its workers on nodes the autoscaler starts; an elastic run starts with what is there
+and grows as nodes arrive; `raylift submit` trains through the Jobs API with the default
+tracking store; the idle nodes go after. Its own Ray, in its own temp dir, stopped by pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raylift.launch import WORKER_ENV
+from tests.helpers import stop_ray_of
+from tests.integration.test_train import OURS
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+FAKE = REPO / "cluster" / "local-fake.yaml"
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+IDLE_MINUTES = 0.25  # idle nodes go after 15 s, so the test sees them go
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+class FakeCluster:
+    def __init__(self, root: Path, temp_dir: str, gcs: int, dashboard: int):
+        self.root, self.temp_dir = root, temp_dir
+        self.address, self.jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
+        self.watch = root / "nodes.jsonl"
+
+    def env(self) -> dict[str, str]:
+        """A user's shell on the head's host, pointed at this cluster."""
+        env = {k: v for k, v in os.environ.items() if k not in WORKER_ENV}
+        return {
+            **env,
+            "RAY_ADDRESS": self.address,
+            "RAY_AUTH_MODE": "token",
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def raylift(self, *args: str, cwd: Path | None = None) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "raylift.cli", *args],
+            cwd=cwd or self.root, env=self.env(), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+
+    def history(self) -> list[tuple[float, dict[str, float]]]:
+        rows = [json.loads(line) for line in self.watch.read_text().splitlines() if line]
+        return [(r["t"], r["nodes"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCluster]:
+    root = tmp_path_factory.mktemp("fake-cluster")
+    temp_dir = tempfile.mkdtemp(prefix="rl-fk-", dir="/tmp")  # short: unix socket paths
+    gcs, dashboard = free_port(), free_port()
+    config = yaml.safe_load(FAKE.read_text())
+    config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"
+    config["idle_timeout_minutes"] = IDLE_MINUTES
+    (root / "fake.yaml").write_text(yaml.safe_dump(config))
+    fake = FakeCluster(root, temp_dir, gcs, dashboard)
+    # RAYLIFT_HOME: where a submitted job's default MLflow store goes on the head.
+    env = {**fake.env(), "RAY_FAKE_CLUSTER": "1", "RAYLIFT_HOME": str(root / "head-home")}
+    env.pop("RAY_ADDRESS")
+    head = [
+        shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray",
+        "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+        "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=0",
+        f"--autoscaling-config={root / 'fake.yaml'}", f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    watcher = None
+    try:
+        # `ray start` with RAY_AUTH_MODE=token wants a token to exist (ray.init makes one;
+        # on a fresh machine nothing has yet): made here as a user would, once per host.
+        token = subprocess.run([head[0], "get-auth-token", "--generate"], env=env,
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert token.returncode == 0, token.stderr[-2000:]
+        started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        watcher = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "nodes_watch.py"), fake.address, str(fake.watch)],
+            env=fake.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        yield fake
+    finally:
+        if watcher is not None:
+            watcher.kill()
+        stop_ray_of(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{what}:\n{out[-4000:]}"
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def scenario(cluster: FakeCluster) -> dict[str, str]:
+    """Everything the tests below look at, run once, in order; each step's console."""
+    bucket = f"s3://runs/{cluster.root.name}"
+    common = [f"storage={bucket}", "train.early_stopping=null"]
+    out: dict[str, str] = {}
+    check = [str(QUICKSTART), f"storage={bucket}", f"--cluster-config={cluster.root / 'fake.yaml'}"]
+    out["check"] = finish(cluster.raylift("check", *check), "check")
+    wrong = cluster.raylift("check", *check[:1], "storage=s3://no-such-bucket/runs", *check[2:])
+    out["check-wrong"], _ = wrong.communicate(timeout=300)
+    out["check-wrong-code"] = str(wrong.returncode)
+    out["fixed"] = finish(
+        cluster.raylift("train", str(QUICKSTART), "name=fixed", "train.max_steps=30", *common),
+        "the fixed-size run",
+    )
+    out["elastic"] = elastic_run(cluster, common)
+    out["submit"] = finish(
+        cluster.raylift(
+            # The fake nodes share this disk: the job runs in the repository itself. (A
+            # shipped copy would be unpacked again, under the driver, by each new node.)
+            "submit", "configs/quickstart.yaml", "--address", cluster.jobs, "--in-place", "train",
+            "name=submitted", "train.max_steps=20", *common, cwd=REPO,
+        ),
+        "raylift submit",
+    )  # fmt: skip
+    out["idle_since"] = str(time.time())
+    return out
+
+
+def elastic_run(cluster: FakeCluster, common: list[str]) -> str:
+    """``num_workers: [1, 3]``; its batches wait on a hold file until it has grown to 3
+    workers (it cannot finish first however fast this machine trains)."""
+    hold = cluster.root / "hold"
+    hold.write_text("hold")
+    proc = cluster.raylift(
+        "train", str(QUICKSTART), "name=elastic", "scaling.num_workers=[1,3]",
+        "scaling.resize_interval_s=5", "train.grad_accum=2", "train.max_failures=5",
+        "train.max_epochs=8",
+        "checkpoint.every_n_steps=10", "task=tests.elastic_run:HeldDigits",
+        f"task_args={{hold: {hold}, width: 32, dropout: 0.1}}", *common,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "-> 3 workers" in line:
+                hold.unlink(missing_ok=True)  # grown: let it run to the end
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    proc.wait(timeout=600)
+    reader.join(timeout=10)
+    out = "\n".join(lines)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def quiet(out: str) -> list[str]:
+    return [line for line in out.splitlines() if not line.startswith(OURS)]
+
+
+def test_check_says_the_run_can_start_and_names_a_wrong_bucket(scenario: dict) -> None:
+    out = scenario["check"]
+    assert "raylift: the run can start" in out, out
+    assert "1 node(s) alive" in out  # the head alone: every worker node comes on demand
+    assert "the autoscaler's node types up to 3 more" in out and "it fits" in out
+    wrong = scenario["check-wrong"]
+    assert scenario["check-wrong-code"] == "2", wrong
+    assert "storage: the driver, node " in wrong and "cannot write a marker" in wrong, wrong
+    assert "no-such-bucket" in wrong
+
+
+def test_a_fixed_size_run_gets_its_workers_on_nodes_the_autoscaler_starts(
+    cluster: FakeCluster, scenario: dict
+) -> None:
+    out = scenario["fixed"]
+    assert not quiet(out), quiet(out)
+    assert "finished" in out and "at step 30" in out
+    history = cluster.history()
+    workers = {n for _, nodes in history for n, cpus in nodes.items() if cpus > 0}
+    assert len(workers) >= 2, history[-1]  # the head has no CPU: these were launched
+
+
+def test_an_elastic_run_starts_with_what_is_there_and_grows_as_nodes_arrive(
+    scenario: dict,
+) -> None:
+    out = scenario["elastic"]
+    assert not quiet(out), quiet(out)
+    grew = re.findall(r"raylift: resumed from \S+ at step \d+ .*; (\d) -> (\d) workers", out)
+    print("\n".join(line for line in out.splitlines() if " -> " in line and "workers" in line))
+    assert grew and grew[-1][1] == "3", out[-3000:]
+    assert int(grew[-1][0]) < 3  # it started smaller, with the nodes that were there
+    assert "finished" in out
+
+
+def test_submit_trains_through_the_jobs_api_with_s3_and_the_drivers_store(
+    scenario: dict,
+) -> None:
+    out = scenario["submit"]
+    assert "SUCCEEDED" in out, out[-3000:]
+    found = re.search(r"MLflow tracking at sqlite:///(\S+) ", out)
+    assert found, out[-3000:]
+    db = Path(found.group(1))  # on the head's disk: the job's driver runs there
+    assert db.parent.name == "head-home", db  # $RAYLIFT_HOME, not the job's own folder
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("raylift").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert client.get_metric_history(run.info.run_id, "train_loss"), "rank 0's metrics"
+    assert "raylift: checkpoint s3://runs/" in out
+
+
+def test_the_idle_nodes_go_after_the_runs(cluster: FakeCluster, scenario: dict) -> None:
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        _, nodes = cluster.history()[-1]
+        if all(cpus == 0 for cpus in nodes.values()):
+            break
+        time.sleep(2)
+    history = cluster.history()
+    first_seen: dict[str, float] = {}
+    last_seen: dict[str, float] = {}
+    for t, nodes in history:
+        for n, cpus in nodes.items():
+            if cpus > 0:
+                first_seen.setdefault(n, t)
+                last_seen[n] = t
+    print(
+        f"nodes launched: {len(first_seen)}; "
+        + "; ".join(
+            f"{n[-6:]} up {first_seen[n] - history[0][0]:.0f} s, gone "
+            f"{last_seen[n] - history[0][0]:.0f} s after the head"
+            for n in sorted(first_seen, key=first_seen.get)  # type: ignore[arg-type]
+        )
+    )
+    _, nodes = history[-1]
+    assert all(cpus == 0 for cpus in nodes.values()), nodes  # the head alone again

@@ -126,6 +126,59 @@ def s3_server() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
+def mlflow_server(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server on 127.0.0.1: a sqlite backend store and its artifacts
+    in the S3 server (``s3://runs/mlflow-artifacts``, served through the server's proxy).
+    Stopped by its process group (the server runs its workers as children)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    folder = tmp_path_factory.mktemp("mlflow-server")
+    port = _free_port()
+    exe = str(Path(sys.executable).with_name("mlflow"))
+    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_server}
+    log_file = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed at stop)
+    server = subprocess.Popen(
+        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
+         "--artifacts-destination", "s3://runs/mlflow-artifacts"],
+        env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    log = (folder / "server.log").read_text()[-3000:]
+                    raise RuntimeError(f"MLflow server not up on {url}:\n{log}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log_file.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
 def ray_cluster(s3_server: str) -> Iterator[str]:
     """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing
     at it; started after the S3 server, so its workers reach it too."""

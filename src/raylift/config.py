@@ -40,9 +40,9 @@ class EnvironmentProblem(ValueError):
 
 @dataclasses.dataclass
 class DataConfig:
-    batch_size: int = 64
-    eval_batch_size: int | None = None
-    prefetch_batches: int = 4
+    batch_size: int = 64  # rows per worker per micro-batch
+    eval_batch_size: int | None = None  # rows per worker per evaluation batch; null: batch_size
+    prefetch_batches: int = 4  # batches each worker reads ahead on a thread; 0: none
     shuffle: bool = True  # a new seeded order of row groups, and of rows in each, every epoch
     shards: str | None = None  # prepared by `raylift prep`; unset: prepared under storage/shards
     cache: bool = False  # hold the prepared data in Ray's object store across epochs
@@ -65,9 +65,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 
 @dataclasses.dataclass
 class ScalingConfig:
-    num_workers: int | list[int] = 2
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
+    num_workers: int | list[int] = 2  # training workers; [min, max]: elastic, grows as room appears
+    use_gpu: bool = False  # one GPU per worker, NCCL; false: CPU workers over gloo
+    cpus_per_worker: float = 1.0  # CPUs Ray reserves per worker (fractions allowed)
     resize_interval_s: float = 60.0  # elastic runs: how often to look for room to grow
     # Give up when the workers cannot be placed for this long, rather than wait forever.
     placement_timeout_s: float = 300.0
@@ -107,17 +107,18 @@ class ScalingConfig:
 
 @dataclasses.dataclass
 class StrategyConfig:
-    name: str = "ddp"
+    name: str = "ddp"  # ddp | fsdp | deepspeed | fairscale | auto (raylift plan's choice)
     activation_checkpointing: bool = False  # recompute each block in backward
-    find_unused_parameters: bool = False  # ddp
-    bucket_cap_mb: float = 25.0  # ddp
+    find_unused_parameters: bool = False  # ddp: for models whose forward skips parameters
+    bucket_cap_mb: float = 25.0  # ddp: gradient bucket size for the all-reduce
     reshard_after_forward: bool = True  # fsdp: free gathered params after forward (ZeRO-3)
     cpu_offload: bool = False  # fsdp: params, grads, optimizer state in host memory
     zero_stage: int = 2  # deepspeed: 0 (DDP-like) .. 3 (everything sharded)
     offload: bool = False  # deepspeed: shorthand for offload_optimizer (+ offload_param at 3)
     offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU
     offload_param: bool = False  # deepspeed, stage 3: parameters in host memory
-    config: dict[str, Any] = dataclasses.field(default_factory=dict)  # deepspeed: raw keys, win
+    # deepspeed: raw DeepSpeed keys, merged last (they win)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[str]:
         # The rest is checked with the whole config (Config.problems): a strategy's checks
@@ -132,14 +133,15 @@ class StrategyConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3.0e-4
-    weight_decay: float = 0.0
+    name: str = "adamw"  # adamw | adam | sgd
+    lr: float = 3.0e-4  # peak learning rate (after warm-up)
+    weight_decay: float = 0.0  # decoupled decay of matrices (not biases or norm gains)
+    # adam/adamw moment decay rates
     betas: list[float] = dataclasses.field(default_factory=lambda: [0.9, 0.999])
-    momentum: float = 0.9
-    warmup_steps: int = 0
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
+    momentum: float = 0.9  # sgd momentum
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    schedule: str = "cosine"  # cosine (decay to lr x min_lr_ratio) | constant
+    min_lr_ratio: float = 0.1  # cosine: the final lr as a share of lr
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -162,10 +164,10 @@ class OptimConfig:
 
 @dataclasses.dataclass
 class EarlyStoppingConfig:
-    monitor: str = "val_loss"
-    mode: str = "min"
-    patience: int = 3
-    min_delta: float = 0.0
+    monitor: str = "val_loss"  # the evaluation metric watched (val_loss, val_acc, ...)
+    mode: str = "min"  # min | max: which way is better
+    patience: int = 3  # evaluations without improvement before stopping
+    min_delta: float = 0.0  # the least change that counts as an improvement
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -180,17 +182,17 @@ class EarlyStoppingConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    max_epochs: int = 10
-    max_steps: int | None = None
-    grad_accum: int = 1
-    grad_clip: float | None = None
-    early_stopping: EarlyStoppingConfig | None = None
-    seed: int = 0
-    eval_every_n_steps: int | None = None
-    log_every_n_steps: int = 10
-    compile: bool = False
+    max_epochs: int = 10  # passes over the training split
+    max_steps: int | None = None  # optimizer steps; whichever limit comes first
+    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_clip: float | None = None  # max global gradient norm; null: no clipping
+    early_stopping: EarlyStoppingConfig | None = None  # null: train to the end
+    seed: int = 0  # initial weights, data order and dropout, the same on every strategy
+    eval_every_n_steps: int | None = None  # evaluate every n steps too; null: each epoch's end
+    log_every_n_steps: int = 10  # steps per logging interval (one host sync each)
+    compile: bool = False  # torch.compile the model (per block for transformers)
     compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
-    max_failures: int = 0
+    max_failures: int = 0  # restarts from the latest checkpoint after a worker fails
     on_nan: str = "stop"  # a non-finite loss or gradient: stop the run, or skip that step
 
     def problems(self) -> list[str]:
@@ -218,8 +220,8 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    every_n_steps: int | None = 200
-    keep: int | None = 3
+    every_n_steps: int | None = 200  # null: a checkpoint at the run's end only
+    keep: int | None = 3  # newest checkpoints kept; null: all
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -230,19 +232,41 @@ class CheckpointConfig:
         return out
 
 
+LOG_MODEL = ("final", "best", "none")
+MLFLOW_MODEL_URIS = ("models:/", "runs:/")  # model.weights read through MLflow
+
+
 @dataclasses.dataclass
 class TrackingConfig:
-    uri: str | None = None
-    experiment: str = "raylift"
+    uri: str | None = None  # MLflow tracking URI; null: sqlite:///<cwd>/mlflow.db
+    experiment: str = "raylift"  # MLflow experiment name
+    # The trained weights as an MLflow logged model of the run: the last checkpoint's, the
+    # best evaluated one's (train.early_stopping.monitor, else val_loss), or none.
+    log_model: str = "final"
+    register_as: str | None = None  # a registered model the logged one becomes a version of
 
     def problems(self) -> list[str]:
-        return [] if self.experiment else ["tracking.experiment: must be a non-empty name"]
+        out = [] if self.experiment else ["tracking.experiment: must be a non-empty name"]
+        if self.log_model not in LOG_MODEL:
+            out.append(
+                f"tracking.log_model: {self.log_model!r} is not one of {LOG_MODEL}; 'final' "
+                "logs the last checkpoint's weights, 'best' the best evaluated one's"
+            )
+        if self.register_as is not None and not str(self.register_as).strip():
+            out.append("tracking.register_as: empty; give a model name or remove the key")
+        if self.register_as and self.log_model == "none":
+            out.append(
+                "tracking.register_as: nothing to register with tracking.log_model: none; "
+                "set log_model to final or best, or remove register_as"
+            )
+        return out
 
 
 @dataclasses.dataclass
 class ModelConfig:
     # Pretrained weights: a .safetensors file, or a folder with model.safetensors or a
-    # sharded Hugging Face checkpoint (model.safetensors.index.json); local paths.
+    # sharded Hugging Face checkpoint (model.safetensors.index.json), local or a folder's
+    # URI; or an MLflow model: models:/NAME/VERSION, runs:/RUN_ID/model.
     weights: str | None = None
 
     def problems(self) -> list[str]:
@@ -251,19 +275,28 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class Config:
-    name: str = "raylift-run"
-    task: str = "digits"
+    name: str = "raylift-run"  # the run's name: a rerun with the same name and storage resumes
+    task: str = "digits"  # a built-in (digits, gpt, images, hf-causal-lm) or package.module:Class
+    # keyword arguments of the task's constructor
     task_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # the model's initial weights
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    # the prepared shards and how workers read them
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    # how many workers, on what
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
+    # how the model is distributed (see Strategies)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
-    precision: str = "32"
+    precision: str = "32"  # auto | 32 | 16-mixed | bf16-mixed | bf16-true
+    # optimizer and learning-rate schedule
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    # the loop: steps, accumulation, evaluation, failures
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    # when checkpoints are written and how many kept
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    # MLflow: where, and what is logged
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
-    storage: str = "./runs"
+    storage: str = "./runs"  # runs and shards: a folder, or s3:// gs:// (or NFS) on a cluster
     # Validated by `raylift tune`; other commands carry it untouched.
     tune: dict[str, Any] | None = None
 

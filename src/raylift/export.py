@@ -107,6 +107,17 @@ def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def hf_config_of(task: object) -> Any:
     """The Hugging Face config of the task's model: ``hf-causal-lm`` knows it; any other
     task's model is built without storage to read it."""
+    config = hf_config_or_none(task)
+    if config is None:
+        raise CheckpointError(
+            "--format hf: the run's model is not a Hugging Face model; use --format "
+            "safetensors or pt"
+        )
+    return config
+
+
+def hf_config_or_none(task: object) -> Any:
+    """``hf_config_of``, or None where the task's model is not a Hugging Face model."""
     known = getattr(task, "hf_config", None)
     if callable(known):
         return known()
@@ -114,10 +125,7 @@ def hf_config_of(task: object) -> Any:
         model = task.build_model()  # type: ignore[attr-defined]
     config: Any = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
-        raise CheckpointError(
-            f"--format hf: the run's model ({type(model).__name__}) is not a Hugging Face "
-            "model; use --format safetensors or pt"
-        )
+        return None
     # What AutoModel* loads the folder as, as save_pretrained records it.
     config.architectures = [type(model).__name__]
     return config

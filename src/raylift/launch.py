@@ -20,9 +20,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from raylift import console, runlock, storage, tracking
+from raylift import console, mlmodel, runlock, storage, tracking
 from raylift.check import before_workers
-from raylift.config import AUTO, Config, ConfigError, EnvironmentProblem
+from raylift.config import AUTO, RUN_CONFIG, Config, ConfigError, EnvironmentProblem
+from raylift.data.shards import Manifest
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
@@ -56,6 +57,7 @@ class TrainResult:
     tracking_uri: str
     seconds: float
     config: Config  # as it ran: ``auto`` resolved
+    model: mlmodel.LoggedModel | None = None  # tracking.log_model's, where one was logged
 
 
 # ---------------------------------------------------------------- driver
@@ -329,7 +331,7 @@ def _train(
         f"({'resuming from its latest checkpoint' if resume else 'new run'})"
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
-    shards, cache = prepare_data(cfg, log, startup)
+    manifest, cache = prepare_data(cfg, log, startup)
     # Workers run in folders of their own: they get the storage this driver resolved.
     cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where)
     startup.mark("auto")
@@ -338,14 +340,18 @@ def _train(
         raise EnvironmentProblem("; ".join(problems))
     if held is not None:
         held.confirm()  # before anything is written to the run's folder
-    record_config(cfg, storage.join(where, cfg.name))
+    run_dir = storage.join(where, cfg.name)
+    recorded = record_config(cfg, run_dir)
+    cfg = mlmodel.fetch_weights(cfg, run_dir, uri, log)  # models:/... into the run's folder
+    trial = service is not None  # a sweep's trial: the sweep logs the best trial's model
     with tracking_for_run(uri, service) as (store, service):
         parent = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
         tags = {**(extra_tags or {}), **parent}  # a sweep's trials are its children
         run_id = store.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
+        describe_run(store, run_id, cfg, manifest, recorded)
         startup.mark("mlflow")
         shared = shared_marker(where, cfg.name)
-        spec = RunSpec(cfg, shards, run_id, uri, service, cache, probe, startup, shared)
+        spec = RunSpec(cfg, manifest.root, run_id, uri, service, cache, probe, startup, shared)
         fit_started = time.time()
         result = fit(build_trainer(cfg, where, spec, callbacks), spec, store)
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
@@ -353,8 +359,37 @@ def _train(
         if "nonfinite_step" in metrics:
             store.end_run(run_id, "FAILED", final)
             raise RunFailed(_nonfinite_message(cfg, metrics, ckpt))
-        store.end_run(run_id, "FINISHED", final)
-    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, time.perf_counter() - started, cfg)
+        try:
+            logged = None if trial else log_run_model(store, run_id, cfg, run_dir, log)
+        finally:  # the training finished, whether or not its model could be logged
+            store.end_run(run_id, "FINISHED", final)
+    seconds = time.perf_counter() - started
+    return TrainResult(cfg.name, metrics, ckpt, run_id, uri, seconds, cfg, logged)
+
+
+def describe_run(store: Any, run_id: str, cfg: Config, manifest: Any, recorded: str) -> None:
+    """The run's config as it ran (an artifact) and the data it trains on (dataset inputs)."""
+    store.log_artifact(run_id, RUN_CONFIG, recorded.encode(), None)
+    store.log_datasets(run_id, mlmodel.dataset_records(cfg, manifest))
+
+
+def log_run_model(
+    store: Any, run_id: str, cfg: Config, run_dir: str, log: Any
+) -> mlmodel.LoggedModel | None:
+    """``tracking.log_model``: the trained weights as the run's MLflow model, after the
+    last step. A failure here fails the command, the training itself kept: the MLflow
+    run is FINISHED and ``raylift export`` still writes the weights."""
+    if cfg.tracking.log_model == "none":
+        return None
+    try:
+        return mlmodel.log_model(store, run_id, cfg, run_dir, cfg.tracking.log_model, log)
+    except Exception as exc:
+        raise RunFailed(
+            f"training run {cfg.name!r} finished, but logging its model to MLflow failed: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            f"\n  the checkpoints are in {run_dir}; `raylift export {run_dir} --out "
+            "model.safetensors` writes the weights, or fix the cause and rerun to log them"
+        ) from exc
 
 
 @contextlib.contextmanager
@@ -416,24 +451,23 @@ def shared_marker(where: str, name: str) -> str | None:
     return token
 
 
-def record_config(cfg: Config, run_dir: str) -> None:
+def record_config(cfg: Config, run_dir: str) -> str:
     """The config as this run runs it (overrides applied, ``auto`` resolved, storage made
     absolute, secrets masked) in its folder: ``export``, ``verify`` and ``doctor`` read
     it from there, and a later command can name the folder instead of the YAML."""
     import yaml
 
-    from raylift.config import RUN_CONFIG
-
     ran = dataclasses.replace(cfg, storage=storage.resolve(cfg.storage))
     text = yaml.safe_dump(tracking.redact_tree(ran.to_dict()), sort_keys=False)
     storage.write_text(storage.join(run_dir, RUN_CONFIG), text)
+    return text
 
 
 def prepare_data(
     cfg: Config, log: Any = print, startup: Startup | None = None
-) -> tuple[str, dict[str, list[Any]] | None]:
-    """The shards' root, checked (or prepared) before any worker starts, so a bad folder
-    costs nothing; and their object-store refs where ``data.cache`` asks for them."""
+) -> tuple[Manifest, dict[str, list[Any]] | None]:
+    """The shards' manifest, checked (or prepared) before any worker starts, so a bad
+    folder costs nothing; and their object-store refs where ``data.cache`` asks for them."""
     from raylift.data.shards import cache_in_object_store, shards_for_run
     from raylift.tasks import build_task
 
@@ -449,7 +483,7 @@ def prepare_data(
     cache = cache_in_object_store(manifest, log) if cfg.data.cache else None
     counts = {s: manifest.rows(s) for s in manifest.splits}
     log(f"raylift: data {counts} rows from {manifest.root}; {cfg.scaling.num_workers} worker(s)")
-    return manifest.root, cache
+    return manifest, cache
 
 
 def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:

@@ -25,7 +25,14 @@ from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
 from raylift.init import InitReport, initialize, kept_by_name
-from raylift.metrics import PhaseClock, StepTimes, all_reduce_max, all_reduce_sum, peak_flops
+from raylift.metrics import (
+    PhaseClock,
+    StepTimes,
+    all_reduce_max,
+    all_reduce_sum,
+    peak_flops,
+    system_now,
+)
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
 from raylift.progress import Interval, IntervalMeter, Rates, console_line
@@ -431,6 +438,8 @@ class Trainer:
         }
         if self.cfg.train.on_nan == "skip":
             metrics["skipped_steps"] = float(self.engine.skipped_steps)
+        if self.ctx.rank == 0:  # rank 0's node, as MLflow's system metrics would show it
+            metrics.update(system_now(self.ctx.device))
         self.ctx.tracker.log_metrics(metrics, self.state.step)
         estimated = self.ctx.device.type != "cuda"  # a CPU's peak is measured, not published
         self.ctx.log(

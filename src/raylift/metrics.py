@@ -136,6 +136,31 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float | None, 
     return cpu_peak_flops(dtype), f"estimated: best {dtype_key(dtype)} matmul on this CPU"
 
 
+SYSTEM = "system/"  # MLflow's prefix for system metrics: its UI shows them on their own tab
+
+
+def system_now(device: torch.device) -> dict[str, float]:
+    """This node's load under MLflow's system-metric names: CPU (since the previous call),
+    memory, and the worker's GPU. Counters only: no device sync, no sampling thread, and
+    no MLflow import in the worker (rank 0 logs them at each logging interval)."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    out = {
+        f"{SYSTEM}cpu_utilization_percentage": float(psutil.cpu_percent(interval=None)),
+        f"{SYSTEM}system_memory_usage_megabytes": (vm.total - vm.available) / 2**20,
+        f"{SYSTEM}system_memory_usage_percentage": float(vm.percent),
+    }
+    if device.type == "cuda":
+        gpu = f"{SYSTEM}gpu_{device.index or 0}_"
+        free, total = torch.cuda.mem_get_info(device)  # the whole GPU's, other processes too
+        out[f"{gpu}memory_usage_megabytes"] = (total - free) / 2**20
+        out[f"{gpu}memory_usage_percentage"] = 100.0 * (total - free) / total
+        with contextlib.suppress(Exception):  # utilization needs NVML (pynvml), often absent
+            out[f"{gpu}utilization_percentage"] = float(torch.cuda.utilization(device))
+    return out
+
+
 def memory_now(device: torch.device) -> dict[str, float]:
     """Host-side memory counters (no device sync); CUDA peak is reset for the next interval."""
     import psutil

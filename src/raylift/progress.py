@@ -24,6 +24,7 @@ from raylift.metrics import (
     breakdown,
     memory_now,
     mfu,
+    system_now,
 )
 from raylift.optim import describe
 from raylift.strategies import Engine
@@ -87,6 +88,7 @@ class IntervalMeter:
         self.ctx, self.clock, self.rates = ctx, clock, rates
         self.current = Interval.fresh(clock)
         self.memory: dict[str, float] = {}  # model-state bytes, after the first step
+        system_now(ctx.device)  # CPU utilisation counts from here to the first interval
 
     def rotate(self) -> Interval:
         """End the current interval and open the next.

@@ -77,7 +77,10 @@ def as_uri(path: str, like: str) -> str:
     """A path a pyarrow filesystem listed under ``like``, as a URI again when ``like`` is one
     (listings and Ray's checkpoints drop the scheme; other nodes and the user need it)."""
     if is_remote(like) and not is_remote(path):
-        return like.split("://", 1)[0] + "://" + str(path).lstrip("/")
+        scheme = like.split("://", 1)[0]
+        if scheme == "file":  # file:///abs/path: the listing's path is absolute already
+            return f"file://{path}"
+        return f"{scheme}://" + str(path).lstrip("/")
     return str(path)
 
 

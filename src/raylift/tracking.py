@@ -69,6 +69,9 @@ def redact_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
 
 def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # A server's client prints "View run ... at: URL" when a run ends: raylift names the run.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 
 _IMPORTING = threading.Lock()
@@ -85,7 +88,8 @@ def client(uri: str) -> Any:
         from mlflow.tracking import MlflowClient
 
     with one_at_a_time(uri):  # a new sqlite store is created and migrated here
-        return MlflowClient(tracking_uri=uri)
+        # The registry is the same store: by default MLflow would use its process-wide one.
+        return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def metric_since(uri: str, run_id: str, key: str, since_s: float) -> float | None:
@@ -196,8 +200,7 @@ def _start_run(
         **(extra_tags or {}),
     }
     if run_id is None:
-        exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else mlflow.create_experiment(cfg.tracking.experiment)
+        exp_id = experiment_id(mlflow, cfg.tracking.experiment)
         run_id = mlflow.create_run(exp_id, tags=tags).info.run_id
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
@@ -211,6 +214,21 @@ def _start_run(
     ]
     mlflow.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()] + changed)
     return str(run_id)
+
+
+def experiment_id(mlflow: Any, name: str) -> str:
+    """The experiment's id, created if missing. Two commands that start together against
+    one server may both create it: the loser finds the winner's."""
+    exp = mlflow.get_experiment_by_name(name)
+    if exp is not None:
+        return str(exp.experiment_id)
+    try:
+        return str(mlflow.create_experiment(name))
+    except Exception:  # the server's error types: "already exists", or its unique constraint
+        exp = mlflow.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
 
 
 def end_run(uri: str, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
@@ -304,7 +322,7 @@ class Store:
                 raise
         version = mlflow.create_model_version(
             register_as, source=f"models:/{model.model_id}", run_id=run_id,
-            model_id=model.model_id,
+            model_id=model.model_id, await_creation_for=0,  # a new version is READY at once
         )  # fmt: skip
         return model.model_id, f"models:/{register_as}/{version.version}"
 

@@ -277,6 +277,8 @@ def _tune_run(cfg: Config, spec: SweepSpec, log: Any, service: Any) -> SweepResu
     rows = _rows(grid, spec, cfg)
     best = _best(rows, spec)
     best_path = _write_best(cfg, best, storage) if best else None
+    if best is not None:
+        _log_best_model(cfg, spec, parent, best, storage, log)
     _finish_parent(cfg, parent, rows, best, spec, storage)
     return SweepResult(cfg.name, rows, best, best_path, parent, time.perf_counter() - started)
 
@@ -309,7 +311,8 @@ def _trial_base(cfg: Config, spec: SweepSpec, storage: str) -> dict[str, Any]:
         "scaling": spec.scaling,
         "tune": None,
         "storage": storage,
-        "tracking": {"uri": tracking.tracking_uri(cfg)},
+        # Each trial's model stays in its checkpoints; the sweep logs the best trial's.
+        "tracking": {"uri": tracking.tracking_uri(cfg), "log_model": "none", "register_as": None},
     }
     if cfg.data.shards:
         fixed["data"] = {"shards": resolve(cfg.data.shards)}
@@ -410,6 +413,24 @@ def _write_best(cfg: Config, best: TrialRow, storage: str) -> Path | None:
 
 
 # ---------------------------------------------------------------- MLflow parent
+
+
+def _log_best_model(
+    cfg: Config, spec: SweepSpec, parent: str, best: TrialRow, storage: str, log: Any
+) -> None:
+    """``tracking.log_model`` of the sweep: the best trial's final (or best-scored, by the
+    sweep's metric) checkpoint, as the parent run's model."""
+    from raylift import mlmodel
+
+    if cfg.tracking.log_model == "none":
+        return
+    name = f"{cfg.name}-{best.trial_id}"
+    trial = trial_config(cfg.to_dict(), best.params, name)
+    store = tracking.Store(tracking.tracking_uri(cfg))
+    mlmodel.log_model(
+        store, parent, trial, join(storage, name), cfg.tracking.log_model, log,
+        metric=(spec.metric, spec.mode),
+    )  # fmt: skip
 
 
 def _parent_run(cfg: Config, storage: str, spec: SweepSpec) -> str:

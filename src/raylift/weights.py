@@ -3,7 +3,9 @@ at a time.
 
 ``model.weights`` names a ``.safetensors`` file, or a folder holding one
 (``model.safetensors``) or a sharded Hugging Face checkpoint
-(``model.safetensors.index.json`` and the files it maps). The driver reads only the
+(``model.safetensors.index.json`` and the files it maps), on this machine or in an
+object store (rank 0 reads a private copy), or an MLflow model (``models:/NAME/VERSION``,
+``runs:/RUN_ID/model``: :mod:`raylift.mlmodel` fetches it first). The driver reads only the
 files' headers, before any worker starts, and refuses a missing, extra or
 differently shaped tensor, or a file it cannot read, naming the tensor and the file.
 In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
@@ -14,13 +16,17 @@ memory holds the weights once rather than once per worker.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from raylift import storage
 from raylift.data.sources import SourceError
 from raylift.init import Writer
 
@@ -129,31 +135,52 @@ def weights_path(cfg: Any, task: Any) -> str | None:
     return cfg.model.weights or getattr(task, "pretrained_weights", None)
 
 
-def check_for_config(cfg: Any, task: Any) -> None:
-    """The driver's check, on the model built without storage (no memory, any size)."""
-    path = weights_path(cfg, task)
-    if path is None:
+def check_for_config(cfg: Any, task: Any, path: str | None = None) -> None:
+    """The driver's check, on the model built without storage (no memory, any size), of
+    ``path`` (by default the run's weights). MLflow URIs are checked once fetched."""
+    from raylift.mlmodel import is_mlflow_uri
+
+    path = path or weights_path(cfg, task)
+    if path is None or is_mlflow_uri(path):
         return
     with torch.device("meta"):
         model = task.build_model()
-    check(model, path)
+    with on_this_machine(path) as local:
+        check(model, local)
+
+
+@contextlib.contextmanager
+def on_this_machine(path: str) -> Iterator[str]:
+    """``path`` itself where it is local, else a private copy of the file or folder that
+    its URI names (an object store: the run's fetched weights), removed after."""
+    if not storage.is_remote(path):
+        yield path
+        return
+    if path.endswith(".safetensors"):
+        with tempfile.TemporaryDirectory(prefix="raylift-weights-") as tmp:
+            local = Path(tmp) / storage.name(path)
+            local.write_bytes(storage.read_bytes(path) or b"")
+            yield str(local)
+        return
+    with storage.local_copy(path) as folder:
+        yield str(folder)
 
 
 def load(model: nn.Module, path: str, write: Writer) -> None:
     """Collective: rank 0 reads each tensor, every rank writes its share of it."""
-    import contextlib
-
     import torch.distributed as dist
     from safetensors import safe_open
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    shared: list[Any] = [check(model, path) if rank == 0 else {}]
-    if dist.is_initialized():
-        dist.broadcast_object_list(shared, src=0)
-    plan: dict[str, str] = shared[0]
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
     with contextlib.ExitStack() as stack:
+        # Rank 0 alone reads: only it needs the files on its machine.
+        local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
+        shared: list[Any] = [check(model, local) if rank == 0 else {}]
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        plan: dict[str, str] = shared[0]
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
         opened: dict[str, Any] = {}
         for name, where in plan.items():
             file, key = where.split("::", 1)

@@ -160,6 +160,13 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
     best = load_config(found.group(1))  # what `raylift train` would load
     assert best.scaling.num_workers == 2 and best.tune is None
     assert best.optim.lr == pytest.approx(float(parent.data.tags["raylift.best.optim.lr"]))
+    # The sweep's model is the best trial's, logged to the sweep's run; trials log none.
+    logged = re.search(r"raylift: model logged to MLflow as models:/(\S+) ", out)
+    assert logged, out[-2000:]
+    model = client.get_logged_model(logged.group(1))
+    assert model.source_run_id == parent.info.run_id
+    assert f"{best_id}/checkpoint-step" in model.tags["raylift.checkpoint"], model.tags
+    assert out.count("model logged to MLflow") == 1
 
 
 def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:

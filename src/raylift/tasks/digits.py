@@ -35,16 +35,23 @@ class DigitsNet(nn.Module):
         return self.fc2(x)
 
 
-def load_digits() -> tuple[np.ndarray, np.ndarray]:
-    """The 1,797 images (uint8, values 0..16) and labels, read from scikit-learn's copy of
-    the file without importing scikit-learn (seconds of imports for 1,797 rows)."""
-    import gzip
+def digits_file() -> Path | None:
+    """scikit-learn's ``digits.csv.gz``, found without importing scikit-learn."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")  # finds the package; imports nothing
     origin = spec.origin if spec else None
     path = Path(origin).parent / "datasets" / "data" / "digits.csv.gz" if origin else None
-    if path is None or not path.is_file():
+    return path if path is not None and path.is_file() else None
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """The 1,797 images (uint8, values 0..16) and labels, read from scikit-learn's copy of
+    the file without importing scikit-learn (seconds of imports for 1,797 rows)."""
+    import gzip
+
+    path = digits_file()
+    if path is None:
         from sklearn.datasets import load_digits as sklearn_digits
 
         digits = sklearn_digits()
@@ -67,6 +74,10 @@ class DigitsTask(ImageClassifier):
 
     def build_model(self) -> nn.Module:
         return DigitsNet(self.width, self.dropout)
+
+    def raw_source(self) -> str:
+        """scikit-learn's copy of the digits file, which every install has."""
+        return str(digits_file() or "sklearn.datasets.load_digits")
 
     def sources(self) -> dict[str, Columns]:
         images, labels = load_digits()

@@ -262,6 +262,10 @@ class GPTTask:
         """GPT-2's initial weights, module by module (see raylift.init)."""
         GPT._init(module)
 
+    def raw_source(self) -> str:
+        """The corpus's folder or URI (the stdlib corpus: this Python's library)."""
+        return str(stdlib_root()) if self.corpus == "stdlib" else self.corpus
+
     def data_version(self) -> str:
         """The corpus files' paths, sizes and mtimes: shards are prepared again after an
         edit. The stdlib corpus is the running Python's."""

@@ -1,0 +1,264 @@
+"""The trained model in MLflow: logged with its run, registered, and read back as
+``model.weights``.
+
+After the last step the driver consolidates the chosen checkpoint exactly as ``raylift
+export`` does (safetensors; a Hugging Face folder where the task's model is one), adds
+the config the run recorded and a note of its task and checkpoint, and logs the folder
+as the run's MLflow logged model ``model``: the UI lists it beside the run's metrics and
+``runs:/RUN_ID/model`` finds it. ``tracking.register_as`` makes it a new version of a
+registered model. ``model.weights: models:/NAME/VERSION`` (or ``runs:/RUN_ID/model``)
+brings it back: the driver downloads it once into the run's folder (``weights/``), which
+every node reads like any ``model.weights`` folder, local or in an object store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raylift import console, storage, tracking
+from raylift.checkpoint import (
+    CheckpointError,
+    checkpoint_dirs,
+    checkpoint_step,
+    newest_complete,
+    read_loop_state,
+)
+from raylift.config import MLFLOW_MODEL_URIS, RUN_CONFIG, Config
+
+MODEL_NAME = "model"  # the logged model's name: runs:/RUN_ID/model resolves it
+NOTE = "raylift-model.json"  # what the folder holds and where it came from
+WEIGHTS_DIR = "weights"  # in the run's folder: model.weights fetched from MLflow
+SOURCE_FILE = ".source"  # in WEIGHTS_DIR: the URI it was fetched from
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggedModel:
+    model_id: str
+    checkpoint: str  # the checkpoint its weights are
+    format: str  # "safetensors" or "hf"
+    bytes: int
+    seconds: float  # consolidating, writing and uploading it
+    registered: str | None  # models:/NAME/VERSION where tracking.register_as asked
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.model_id}"
+
+
+def monitored(cfg: Config) -> tuple[str, str]:
+    """The metric and mode that make a checkpoint the best: early stopping's, else val_loss."""
+    es = cfg.train.early_stopping
+    return (es.monitor, es.mode) if es is not None else ("val_loss", "min")
+
+
+def choose_checkpoint(
+    run_dir: str, which: str, metric: str, mode: str, log: Callable[[str], None] = print
+) -> str | None:
+    """The newest complete checkpoint (``final``), or the one whose last evaluation scored
+    best on ``metric`` (``best``; the later one on a tie), from the run's folder."""
+    if which == "final":
+        return newest_complete(run_dir, log)
+    scored: list[tuple[float, int, str]] = []
+    for ckpt in checkpoint_dirs(run_dir):
+        try:
+            value = read_loop_state(ckpt).get("metrics", {}).get(metric)
+        except CheckpointError:
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            sign = 1.0 if mode == "min" else -1.0
+            scored.append((sign * float(value), -checkpoint_step(ckpt), ckpt))
+    return min(scored)[2] if scored else newest_complete(run_dir, log)
+
+
+def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:
+    """``raylift export``'s output of ``ckpt`` in ``out``, the run's recorded config and a
+    note beside it; returns the format written."""
+    from raylift.export import export, export_hf, hf_config_or_none
+    from raylift.tasks import build_task
+    from raylift.tracking import redact
+
+    task = build_task(cfg.task, cfg.task_args)
+    fmt = "hf" if hf_config_or_none(task) is not None else "safetensors"
+    if fmt == "hf":
+        export_hf(ckpt, out, task)
+    else:
+        export(ckpt, out / "model.safetensors", "safetensors")
+    recorded = storage.read_text(storage.join(run_dir, RUN_CONFIG))
+    if recorded is not None:
+        (out / RUN_CONFIG).write_text(recorded)
+    note = {
+        "task": cfg.task,
+        "task_args": redact(cfg.task_args),
+        "format": fmt,
+        "checkpoint": ckpt,
+        "step": checkpoint_step(ckpt),
+        "metrics": read_loop_state(ckpt).get("metrics", {}),
+    }
+    (out / NOTE).write_text(json.dumps(note, indent=2, default=str))
+    return fmt
+
+
+def log_model(
+    store: Any,
+    run_id: str,
+    cfg: Config,
+    run_dir: str,
+    which: str,
+    log: Callable[[str], None],
+    metric: tuple[str, str] | None = None,
+) -> LoggedModel | None:
+    """Log the run's ``which`` checkpoint (final or best: by ``metric``, a name and
+    min/max, else the run's own) as the MLflow model of ``run_id``, registered where
+    ``tracking.register_as`` asks; None where the run left no checkpoint."""
+    name, mode = metric or monitored(cfg)
+    ckpt = choose_checkpoint(run_dir, which, name, mode, log)
+    if ckpt is None:
+        log(f"raylift: no checkpoint in {run_dir} to log as the run's model")
+        return None
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="raylift-model-") as tmp:
+        with console.library_quiet():  # DeepSpeed's converter prints and draws bars
+            fmt = model_folder(ckpt, cfg, run_dir, Path(tmp))
+        size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+        tags = {"raylift.checkpoint": ckpt, "raylift.task": cfg.task, "raylift.format": fmt}
+        model_id, registered = store.log_model(run_id, tmp, tags, cfg.tracking.register_as)
+    logged = LoggedModel(model_id, ckpt, fmt, size, time.perf_counter() - started, registered)
+    log(
+        f"raylift: model logged to MLflow as {logged.uri} ({which}: {storage.name(ckpt)}, "
+        f"{fmt}, {size / 2**20:.1f} MiB, {logged.seconds:.1f} s)"
+        + (f"; registered as {registered}" if registered else "")
+    )
+    return logged
+
+
+# ---------------------------------------------------------------- model.weights from MLflow
+
+
+def is_mlflow_uri(path: str | None) -> bool:
+    return bool(path) and str(path).startswith(MLFLOW_MODEL_URIS)
+
+
+def fetch_weights(
+    cfg: Config, run_dir: str, tracking_uri: str, log: Callable[[str], None]
+) -> Config:
+    """``cfg`` with an MLflow ``model.weights`` replaced by its copy in the run's folder,
+    downloaded there once (a rerun that resumes finds it); other weights pass through."""
+    source = cfg.model.weights
+    if not is_mlflow_uri(source):
+        return cfg
+    assert source is not None
+    staged = storage.join(run_dir, WEIGHTS_DIR)
+    if storage.read_text(storage.join(staged, SOURCE_FILE)) != source:
+        started = time.perf_counter()
+        size = download(source, staged, tracking_uri, cfg)
+        log(
+            f"raylift: model.weights {source} -> {staged} "
+            f"({size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)"
+        )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=staged))
+
+
+def download(source: str, staged: str, tracking_uri: str, cfg: Config) -> int:
+    """The MLflow model at ``source``, checked against the task's model, into ``staged``
+    (a folder or a URI); its bytes."""
+    import pyarrow.fs as pafs
+
+    from raylift.tasks import build_task
+    from raylift.weights import WeightsError, check_for_config
+
+    with tempfile.TemporaryDirectory(prefix="raylift-weights-") as tmp:
+        try:
+            tracking.client(tracking_uri)  # MLflow imported and quieted as raylift does
+            import mlflow
+            import mlflow.artifacts
+
+            # models:/ resolves through the process-wide registry whatever the arguments
+            # say: point it at the run's store for the download, then put it back.
+            before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+            mlflow.set_tracking_uri(tracking_uri)
+            mlflow.set_registry_uri(tracking_uri)
+            try:
+                mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp)
+            finally:
+                mlflow.set_tracking_uri(before[0])
+                mlflow.set_registry_uri(before[1])
+        except Exception as exc:  # MLflow's own error types: a missing model, a bad URI
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise WeightsError(
+                f"model.weights: cannot fetch {source} from the tracking store "
+                f"{tracking_uri}: {first}; check the name and version (models:/NAME/VERSION) "
+                "or run id (runs:/RUN_ID/model), and tracking.uri"
+            ) from exc
+        check_for_config(cfg, build_task(cfg.task, cfg.task_args), tmp)
+        size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+        fs, where = storage.filesystem(staged)
+        fs.create_dir(where, recursive=True)
+        fs.delete_dir_contents(where, missing_dir_ok=True)  # another source's files
+        local = pafs.LocalFileSystem()
+        pafs.copy_files(tmp, where, source_filesystem=local, destination_filesystem=fs)
+    # Last: a copy cut off half-way has no source and is fetched again.
+    storage.write_text(storage.join(staged, SOURCE_FILE), source)
+    return size
+
+
+# ---------------------------------------------------------------- the data a run trained on
+
+
+def dataset_records(cfg: Config, manifest: Any) -> list[Any]:
+    """The shards the run reads and the raw data they were prepared from, as MLflow
+    dataset inputs: the shards' fingerprint is their digest (it changes with the raw
+    data, the task's code and its args), their rows per split the profile."""
+    import hashlib
+
+    from raylift.tasks import build_task
+    from raylift.tracking import DatasetRecord, redact
+
+    task = build_task(cfg.task, cfg.task_args)
+    version = getattr(task, "data_version", None)
+    raw = raw_source(cfg, task)
+    raw_version = str(version()) if callable(version) else raw
+    return [
+        DatasetRecord(
+            name=storage.name(manifest.root),
+            digest=manifest.fingerprint[:36],
+            source=manifest.root,
+            source_type=scheme(manifest.root),
+            context="training",
+            profile={"rows": {s: manifest.rows(s) for s in manifest.splits}},
+        ),
+        DatasetRecord(
+            name=f"{cfg.task} raw data",
+            digest=hashlib.sha256(raw_version.encode()).hexdigest()[:36],
+            source=raw,
+            source_type=scheme(raw),
+            context="source",
+            profile={"task_args": redact(cfg.task_args)},
+        ),
+    ]
+
+
+def raw_source(cfg: Config, task: Any) -> str:
+    """Where the task's raw data comes from: its ``raw_source()`` where it says, else its
+    corpus or image folder, else the task itself (data it makes or ships)."""
+    hook = getattr(task, "raw_source", None)
+    if callable(hook):
+        return str(hook())
+    for attr in ("corpus", "root"):
+        value = getattr(task, attr, None)
+        if isinstance(value, (str, Path)) and str(value):
+            return storage.resolve(str(value))
+    return f"task:{cfg.task}"
+
+
+def scheme(uri: str) -> str:
+    """``s3`` of ``s3://...``; ``local`` for a path; ``code`` for a task's own data."""
+    if uri.startswith("task:"):
+        return "code"
+    return uri.split("://", 1)[0] if storage.is_remote(uri) else "local"

@@ -1,0 +1,108 @@
+"""The model, config and data a run logs to MLflow, without Ray: which checkpoint is logged,
+the keys that ask for it, the dataset records, the system metrics and a submitted job's
+default store."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from raylift.checkpoint import FORMAT, LOOP_FILE
+from raylift.config import ConfigError, load_config
+from raylift.data.shards import Manifest, ShardFile
+from raylift.metrics import system_now
+from raylift.mlmodel import choose_checkpoint, dataset_records, is_mlflow_uri, monitored
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+def fake_checkpoint(run: Path, step: int, val_loss: float | None) -> None:
+    folder = run / f"checkpoint-step{step:08d}"
+    folder.mkdir(parents=True)
+    metrics = {} if val_loss is None else {"val_loss": val_loss}
+    torch.save({"format": FORMAT, "metrics": metrics}, folder / LOOP_FILE)
+
+
+def test_best_is_the_best_scored_checkpoint_and_the_later_on_a_tie(tmp_path: Path) -> None:
+    for step, loss in [(10, 0.9), (20, 0.4), (30, 0.6), (40, 0.4), (50, None)]:
+        fake_checkpoint(tmp_path, step, loss)
+    best = choose_checkpoint(str(tmp_path), "best", "val_loss", "min", log=lambda _: None)
+    assert best is not None and best.endswith("checkpoint-step00000040")
+    top = choose_checkpoint(str(tmp_path), "best", "val_loss", "max", log=lambda _: None)
+    assert top is not None and top.endswith("checkpoint-step00000010")
+
+
+def test_best_follows_early_stopping_else_val_loss() -> None:
+    cfg = load_config(
+        QUICKSTART, ["train.early_stopping.monitor=val_acc", "train.early_stopping.mode=max"]
+    )
+    assert monitored(cfg) == ("val_acc", "max")
+    assert monitored(load_config(QUICKSTART, ["train.early_stopping=null"])) == ("val_loss", "min")
+
+
+def test_log_model_and_register_as_are_checked_with_their_fix() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(QUICKSTART, ["tracking.log_model=always", "tracking.register_as=''"])
+    text = str(err.value)
+    assert "tracking.log_model: 'always' is not one of ('final', 'best', 'none')" in text
+    assert "tracking.register_as: empty" in text
+    with pytest.raises(ConfigError, match=r"nothing to register with tracking\.log_model: none"):
+        load_config(QUICKSTART, ["tracking.log_model=none", "tracking.register_as=m"])
+    cfg = load_config(QUICKSTART, ["model.weights=models:/m/3"])
+    assert cfg.tracking.log_model == "final" and is_mlflow_uri(cfg.model.weights)
+    assert not is_mlflow_uri("./weights/model.safetensors")
+
+
+def test_dataset_records_name_the_shards_by_fingerprint_and_the_raw_data() -> None:
+    cfg = load_config(QUICKSTART)
+    files = {
+        "train": (ShardFile("a", 1438, 1, (1438,), 1),),
+        "val": (ShardFile("b", 359, 1, (359,), 1),),
+    }
+    manifest = Manifest("s3://runs/shards/digits-0123", "ab" * 32, files, {})
+    shards, raw = dataset_records(cfg, manifest)
+    assert (shards.source, shards.source_type, shards.context) == (manifest.root, "s3", "training")
+    assert shards.digest == manifest.fingerprint[:36]
+    assert shards.profile == {"rows": {"train": 1438, "val": 359}}
+    assert raw.source.endswith("digits.csv.gz") and raw.source_type == "local"
+    assert raw.context == "source" and len(raw.digest) == 36
+    other = dataset_records(dataclasses.replace(cfg, task_args={"width": 8}), manifest)[1]
+    assert other.profile == {"task_args": {"width": 8}}
+
+
+def test_system_metrics_use_mlflows_names_and_need_no_device_sync() -> None:
+    system_now(torch.device("cpu"))
+    found = system_now(torch.device("cpu"))
+    assert set(found) == {
+        "system/cpu_utilization_percentage",
+        "system/system_memory_usage_megabytes",
+        "system/system_memory_usage_percentage",
+    }
+    assert found["system/system_memory_usage_megabytes"] > 0
+
+
+@pytest.mark.gpu
+def test_system_metrics_name_the_workers_gpu() -> None:
+    found = system_now(torch.device("cuda", 0))
+    assert found["system/gpu_0_memory_usage_megabytes"] >= 0
+    assert 0 <= found["system/gpu_0_memory_usage_percentage"] <= 100
+
+
+def test_a_submitted_jobs_default_store_is_under_raylift_home(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from raylift.submit import runtime_env
+    from raylift.tracking import SUBMITTED, default_uri
+
+    env = runtime_env(load_config(QUICKSTART), tmp_path)
+    assert env["env_vars"][SUBMITTED] == "1"
+    monkeypatch.chdir(tmp_path)
+    assert default_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv(SUBMITTED, "1")
+    monkeypatch.setenv("RAYLIFT_HOME", str(tmp_path / "home"))
+    assert default_uri() == f"sqlite:///{(tmp_path / 'home').resolve() / 'mlflow.db'}"
+    assert (tmp_path / "home").is_dir()

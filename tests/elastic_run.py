@@ -36,13 +36,13 @@ HOLD_S = 0.05  # per batch while held: sets a floor on the run's length, not a d
 class HeldDigits(DigitsTask):
     """Digits whose batches wait ``HOLD_S`` while the file ``hold`` exists."""
 
-    def __init__(self, hold: str = "", **kwargs: Any):
+    def __init__(self, hold: str = "", hold_s: float = HOLD_S, **kwargs: Any):
         super().__init__(**kwargs)
-        self.hold = Path(hold)
+        self.hold, self.hold_s = Path(hold), hold_s
 
     def transform(self, batch: Columns, rng: np.random.Generator) -> Columns:
         if self.hold.exists():
-            time.sleep(HOLD_S)
+            time.sleep(self.hold_s)
         return batch
 
 

@@ -175,14 +175,30 @@ def probe_nodes(cfg: Config) -> tuple[list[NodeFacts], list[str], list[str]]:
         for n in alive
     ]
     try:
-        found: list[NodeFacts] = ray.get(refs, timeout=PROBE_TIMEOUT_S)
+        found = answers(refs, alive)
     finally:
         if driver_problem is None:
             storage.delete(driver_marker)
-    for facts, node in zip(found, alive, strict=True):
+    return found, *storage_verdict(cfg, where, found, driver_problem)
+
+
+def answers(refs: list[Any], alive: list[dict[str, Any]]) -> list[NodeFacts]:
+    """Each node's facts, with its CPUs and GPUs; a node the autoscaler removed between
+    the listing and its probe is left out (nodes come and go; the rest still answer)."""
+    import ray
+    from ray.exceptions import NodeDiedError, TaskUnschedulableError
+
+    ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+    found: list[NodeFacts] = []
+    for ref, node in zip(refs, alive, strict=True):
+        try:
+            facts: NodeFacts = ray.get(ref, timeout=1)
+        except (TaskUnschedulableError, NodeDiedError):
+            continue
         facts.cpus = float(node["Resources"].get("CPU", 0))
         facts.gpus = float(node["Resources"].get("GPU", 0))
-    return found, *storage_verdict(cfg, where, found, driver_problem)
+        found.append(facts)
+    return found
 
 
 def storage_verdict(

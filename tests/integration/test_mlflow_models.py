@@ -66,11 +66,18 @@ def consoles(
         folder, "train", str(QUICKSTART), "name=registered", "train.max_steps=12",
         f"tracking.register_as={REGISTERED}", *common,
     )  # fmt: skip
-    out = {"registered": finish(first, "the registered run"), "hf": finish(hf, "hf-causal-lm")}
+    out = {"registered": finish(first, "the registered run")}
     again = raylift(
-        folder, "train", str(QUICKSTART), "name=finetuned", "train.max_steps=3",
-        f"model.weights=models:/{REGISTERED}/1", "tracking.log_model=none", *common,
-    )  # fmt: skip
+        folder,
+        "train",
+        str(QUICKSTART),
+        "name=finetuned",
+        "train.max_steps=3",
+        f"model.weights=models:/{REGISTERED}/1",
+        "tracking.log_model=none",
+        *common,
+    )  # fmt: skip  (it starts while the hf run may still train)
+    out["hf"] = finish(hf, "hf-causal-lm")
     out["finetuned"] = finish(again, "the run from the registry")
     return out
 

@@ -31,9 +31,10 @@ CONFIG = """
     checkpoint: {{every_n_steps: 30, keep: 1}}
     storage: ./runs
 """
-# Batches of runs started together, name -> (task, strategy overrides). The first batch
-# prepares each task's shards (one run per task), the rest reuse them. Llama's three runs
-# are compared; NormLM's show the other strategies' consoles (tests/unit compares its curves).
+# Runs, name -> (task, strategy overrides). The first batch prepares each task's shards
+# (one run per task); each run of the second starts when its task's first run is done.
+# Llama's three runs are compared; NormLM's show the other strategies' consoles
+# (tests/unit compares its curves).
 BATCHES = [
     {
         "llama-ddp": ("LlamaLM", ["strategy.name=ddp"]),
@@ -69,12 +70,23 @@ def user_runs(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> tup
         (folder / f"{task}.yaml").write_text(textwrap.dedent(CONFIG.format(task=task)))
     consoles: dict[str, list[str]] = {}
     started: dict[str, float] = {}
-    for batch in BATCHES:
-        procs = {}
-        for name, (task, overrides) in batch.items():
+
+    def start(batch: dict) -> dict[str, subprocess.Popen]:
+        for name in batch:
             started[name] = time.time()
-            procs[name] = raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
-        consoles.update({name: finish(p, name) for name, p in procs.items()})
+        return {
+            name: raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
+            for name, (task, overrides) in batch.items()
+        }
+
+    first, rest = BATCHES
+    leaders = start(first)
+    followers: dict[str, subprocess.Popen] = {}
+    for name, proc in leaders.items():  # a task's later runs start once its shards exist
+        consoles[name] = finish(proc, name)
+        task = first[name][0]
+        followers |= start({n: spec for n, spec in rest.items() if spec[0] == task})
+    consoles.update({name: finish(p, name) for name, p in followers.items()})
     return folder, consoles, started
 
 

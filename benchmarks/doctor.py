@@ -22,6 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -57,6 +58,9 @@ def measure(case: str, steps: int, repeats: int, home: Path) -> None:
         before.append(b)
         after.append(a)
         ratios.append(a / b)
+    ROWS.append([case, first["verdict"], intended, first["change"],
+                 f"{statistics.median(before):,.0f}", f"{statistics.median(after):,.0f}",
+                 f"{statistics.median(ratios):.2f}x", f"{first['gain']:.2f}x"])  # fmt: skip
     print(
         f"{case:<6} {first['verdict']:<17} (intended {intended}) first fix {first['change']:<28} "
         f"{statistics.median(before):>8,.0f} -> {statistics.median(after):>8,.0f} samples/s  "
@@ -76,6 +80,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="raylift-bench-doctor-") as tmp:
         for case in args.only:
             measure(case, args.steps, args.repeats, Path(tmp))
+    right = sum(r[1] == r[2] for r in ROWS)
+    save(
+        __file__,
+        "the doctor's verdict on runs built to have a bottleneck, then its first suggestion",
+        ["case", "verdict", "intended", "first fix", "samples/s before", "after", "gain",
+         "doctor expected"],
+        ROWS,
+        {"what": "raylift doctor on runs with a known bottleneck",
+         "raylift": f"{right} of {len(ROWS)} verdicts as intended",
+         "baseline": "the run before the suggested change",
+         "ratio": ", ".join(f"{r[0]} {r[6]}" for r in ROWS)},
+    )  # fmt: skip
+
+
+ROWS: list[list[str]] = []  # one per case, for the results file
 
 
 if __name__ == "__main__":

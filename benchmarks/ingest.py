@@ -37,6 +37,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -339,6 +340,21 @@ def main() -> None:
     print(f"wall time: {time.perf_counter() - began:.0f} s (prep included)")
     ratio = medians[name] / medians[best]
     print(f"ratio raylift/DataLoader(best num_workers={loaders[best]}): {ratio:.2f}x")
+    table = [[label, f"{res[0][0]:,}", f"{medians[label]:,.0f}"] for label, res in results.items()]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from results import save
+
+    save(
+        __file__,
+        f"raylift's shard stream against DataLoader over the same shards (batch {b})",
+        ["method", "rows/epoch", "median rows/s"],
+        table,
+        {"what": f"rows/s of one train epoch, batch {b}",
+         "raylift": f"{medians[name]:,.0f} rows/s",
+         "baseline": f"DataLoader, num_workers={loaders[best]}: {medians[best]:,.0f} rows/s",
+         "ratio": f"{ratio:.2f}x"},
+        notes=f"Data: {origin}. Median of {opts.repeats} whole epochs per method.",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 from raylift.startup import PHASES, from_metrics  # noqa: E402
 
@@ -189,6 +190,7 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
     base_end = statistics.median(t[1] for t in times["torchrun"])
     print(f"\n{describe()}; {opts.steps} steps, 2 workers, median of {opts.repeats}")
     print(f"{'launcher':<34}{'to first step':>15}{'ratio':>8}{'to exit':>11}{'ratio':>8}")
+    rows = []
     for name, runs in times.items():
         first = statistics.median(t[0] for t in runs)
         end = statistics.median(t[1] for t in runs)
@@ -196,6 +198,19 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
             f"{name:<34}{first:>13.1f} s{first / base_first:>7.2f}x"
             f"{end:>9.1f} s{end / base_end:>7.2f}x"
         )
+        rows.append([name, f"{first:.1f} s", f"{first / base_first:.2f}x", f"{end:.1f} s",
+                     f"{end / base_end:.2f}x"])  # fmt: skip
+    ours = next((r for r in rows if r[0] == "raylift"), rows[-1])
+    save(
+        __file__,
+        f"seconds from the command to the first optimizer step, and to exit ({opts.steps} "
+        "steps, 2 workers)",
+        ["launcher", "to first step", "vs torchrun", "to exit", "vs torchrun"],
+        rows,
+        {"what": "command to first step, quickstart, 2 workers, fresh local Ray",
+         "raylift": ours[1], "baseline": f"torchrun {base_first:.1f} s", "ratio": ours[2]},
+        notes=f"Median of {opts.repeats} runs of each launcher.",
+    )  # fmt: skip
     pairs = {"fresh": ("raylift", "Ray Train alone")}
     pairs["joined"] = ("raylift on a running Ray", "Ray Train alone on a running Ray")
     for what, (ours, theirs) in pairs.items():

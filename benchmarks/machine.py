@@ -7,15 +7,17 @@ import platform
 from pathlib import Path
 
 
-def describe() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
     info = Path("/proc/cpuinfo")
     if info.exists():
         for line in info.read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    parts = [f"{cpu}, {os.cpu_count()} cores"]
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def describe() -> str:
+    parts = [f"{cpu_model()}, {os.cpu_count()} cores"]
     try:
         import torch
 

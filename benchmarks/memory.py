@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from raylift.config import merge  # noqa: E402
@@ -79,6 +80,7 @@ def peaks(d_model: int, layers: int) -> None:
         f"{'strategy':<10}{'rank 0':>9}{'rank 1':>9}{'plan':>9}{'peak/plan':>11}"
         f"{'/weights':>10}{'/DDP state':>12}"
     )
+    rows = []
     for (name, cfg_dict), ranks in zip(runs.items(), found, strict=True):
         plan = planned_bytes(config_from_dict(cfg_dict))["total"]
         grew = [r["peak"] - r["base"] for r in ranks]
@@ -87,6 +89,19 @@ def peaks(d_model: int, layers: int) -> None:
             f"{name:<10}{grew[0] / MIB:>9.0f}{grew[1] / MIB:>9.0f}{plan / MIB:>9.0f}"
             f"{worst / plan:>10.2f}x{worst / full:>9.2f}x{worst / (3 * full):>11.2f}x"
         )
+        rows.append([name, f"{grew[0] / MIB:.0f}", f"{grew[1] / MIB:.0f}", f"{plan / MIB:.0f}",
+                     f"{worst / plan:.2f}x", f"{worst / (3 * full):.2f}x"])  # fmt: skip
+    fsdp = next(r for r in rows if r[0] == "fsdp")
+    save(
+        "memory.py",
+        f"peak host memory per rank against the plan (gpt of {count_params(cfg) / 1e6:.0f}M "
+        "parameters, SGD + momentum, 2 ranks)",
+        ["strategy", "rank 0 MiB", "rank 1 MiB", "plan MiB", "peak / plan", "of DDP's state"],
+        rows,
+        {"what": f"peak RSS per rank, {count_params(cfg) / 1e6:.0f}M-parameter gpt, fsdp",
+         "raylift": f"{max(float(fsdp[1]), float(fsdp[2])):.0f} MiB",
+         "baseline": f"the plan {fsdp[3]} MiB", "ratio": fsdp[4]},
+    )  # fmt: skip
 
 
 def zero_accounting(d_model: int, layers: int) -> None:

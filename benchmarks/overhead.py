@@ -31,6 +31,7 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
@@ -181,6 +182,20 @@ def main() -> None:
         f"(MFU {mfu(cfg, b, device)}), raylift {a * 1e3:.2f} ms (MFU {mfu(cfg, a, device)}), "
         f"ratio {a / b:.3f}; median of the per-repeat ratios {paired:.3f}"
     )
+    what = f"step time, gpt-tiny, {cfg.precision}, 1 process on {device.type}" + (
+        ", train.compile" if args.compile else ""
+    )
+    save(
+        f"overhead{'_compile' if args.compile else ''}.py",
+        f"raylift's loop against a hand-written PyTorch loop ({what})",
+        ["loop", "median step ms", "MFU"],
+        [["hand-written", f"{b * 1e3:.2f}", mfu(cfg, b, device)],
+         ["raylift", f"{a * 1e3:.2f}", mfu(cfg, a, device)]],
+        {"what": what, "raylift": f"{a * 1e3:.2f} ms", "baseline": f"{b * 1e3:.2f} ms",
+         "ratio": f"{a / b:.3f} (per-repeat median {paired:.3f})"},
+        notes=f"Median of {args.repeats} repeats of {args.steps} steps, batch "
+        f"{cfg.data.batch_size}, {torch.get_num_threads()} threads.",
+    )  # fmt: skip
 
 
 def repeat(

@@ -43,6 +43,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 from tests.corpora import SHAPES, write_image_folder  # noqa: E402
@@ -190,6 +191,7 @@ def main() -> None:
         if len(by_size) > 1:
             lo, hi = min(by_size.values()), max(by_size.values())
             print(f"{kind}: driver peak RSS, largest / smallest size {hi / lo:.2f}x (goal <= 1.2x)")
+    save_rows()
 
 
 def ray_data_prep(data: Path, out: Path) -> float:
@@ -226,7 +228,28 @@ def measure(label: str, data: Path, work: Path, repeats: int) -> int:
         f"{b / t:.2f}x, Ray Data alone {b / r:.2f}x",
         flush=True,
     )
+    peak = f"{max(rss) / 2**20:,.0f}"
+    ROWS.append([label, f"{t:.1f} s", f"{mib / t:.1f}", f"{rows / t:,.0f}", peak,
+                 f"{b:.1f} s", f"{r:.1f} s", f"{b / t:.2f}x"])  # fmt: skip
     return max(rss)
+
+
+ROWS: list[list[str]] = []  # one per measure(), for the results file
+
+
+def save_rows() -> None:
+    if not ROWS:
+        return
+    last = ROWS[-1]
+    save(
+        __file__,
+        "raylift prep against a multiprocessing.Pool and Ray Data alone",
+        ["data", "raylift", "MiB/s", "rows/s", "driver peak RSS MiB", "Pool",
+         "Ray Data alone", "raylift / Pool throughput"],
+        ROWS,
+        {"what": f"prep of {last[0]}", "raylift": last[1], "baseline": f"Pool {last[5]}",
+         "ratio": f"{last[7]} the Pool's throughput"},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
+from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 # DeepSpeed's CPU Adam (offload) is compiled once; share the tests' cache of it.
@@ -144,11 +145,28 @@ def report(results: dict, opts: argparse.Namespace, precision: str, world: int) 
     print(
         f"{'strategy':<15}{'step (ms)':>11}{'vs ddp':>8}{'model state MiB/rank':>23}{'vs ddp':>8}"
     )
+    rows = []
     for name in results:
         print(
             f"{name:<15}{step(name) * 1e3:>11.1f}{step(name) / step('ddp'):>7.2f}x"
             f"{held(name) / 2**20:>23.2f}{held(name) / held('ddp'):>7.2f}x"
         )
+        rows.append([name, f"{step(name) * 1e3:.1f}", f"{step(name) / step('ddp'):.2f}x",
+                     f"{held(name) / 2**20:.2f}", f"{held(name) / held('ddp'):.2f}x"])  # fmt: skip
+    least = min(results, key=held)
+    save(
+        f"strategies_{precision}.py",
+        f"step time and model state per rank of each strategy ({Path(opts.config).name}, "
+        f"world size {world}, {precision})",
+        ["strategy", "step ms", "vs ddp", "model state MiB/rank", "vs ddp"],
+        rows,
+        {"what": f"strategies on {Path(opts.config).name}, world {world}, {precision}",
+         "raylift": f"{least}: {held(least) / 2**20:.2f} MiB/rank, {step(least) * 1e3:.1f} ms",
+         "baseline": f"ddp: {held('ddp') / 2**20:.2f} MiB/rank, {step('ddp') * 1e3:.1f} ms",
+         "ratio": f"{held(least) / held('ddp'):.2f}x memory, "
+         f"{step(least) / step('ddp'):.2f}x time"},
+        notes=f"Median of {opts.steps // LOG_EVERY - 1} logging intervals of {LOG_EVERY} steps.",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from results import save  # noqa: E402
+
 sys.path.insert(0, str(REPO))
 
 from raylift.config import load_config  # noqa: E402
@@ -72,10 +75,28 @@ def main() -> None:
         f"DDP loss {ref[1]:.4f} -> {ref[opts.steps]:.4f}"
     )
     print(f"{'strategy':<10}{'max rel diff vs ddp':>22}{'model state MiB/rank':>24}")
+    rows = []
     for name, (curve, memory) in results.items():
         diff = max(abs(curve[s] - ref[s]) / abs(ref[s]) for s in ref)
         mib = memory["model_state_bytes_per_rank"] / 2**20
         print(f"{name:<10}{diff:>22.2e}{mib:>24.2f}")
+        rows.append([name, f"{diff:.2e}", f"{mib:.2f}"])
+    worst = max(rows[1:], key=lambda r: float(r[1]), default=rows[0])
+    clip = "off" if opts.no_clip else "on"
+    save(
+        f"strategy_curves{'_noclip' if opts.no_clip else ''}.py",
+        f"each strategy's loss curve against DDP's (gpt-tiny, 2 workers, precision "
+        f"{opts.precision}, {opts.steps} steps, grad_clip {clip})",
+        ["strategy", "max relative difference vs DDP", "model state MiB per rank"],
+        rows,
+        {
+            "what": f"loss curves vs DDP, gpt-tiny, {opts.precision}, {opts.steps} steps, "
+            f"clipping {clip}",
+            "raylift": f"worst: {worst[0]} {worst[1]}",
+            "baseline": f"DDP, loss {ref[1]:.4f} -> {ref[opts.steps]:.4f}",
+            "ratio": f"{worst[1]} relative (goal < 1e-5 in fp32)",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -351,7 +351,9 @@ class Store:
         world_size: int,
         extra_tags: Mapping[str, str] | None = None,
     ) -> str:
-        return start_run(cfg, storage, resume, world_size, extra_tags)
+        # This store's URI, whatever the config names: they are the same for a run.
+        ours = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri=self.uri))
+        return start_run(ours, storage, resume, world_size, extra_tags)
 
     def end_run(self, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
         end_run(self.uri, run_id, status, tags)

@@ -1,0 +1,64 @@
+"""Benchmark results as data. Each script saves what it measured as
+``benchmarks/results/<script>.json``, with the machine it ran on; ``render_results.py``
+turns those files into the README's results table and the manual's results page. A new
+run replaces its file (the old numbers live in git)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """CPU model and cores, GPU, versions, date: what a reader needs to compare a row."""
+    from machine import cpu_model
+
+    facts: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu": "none"}
+    facts["python"] = platform.python_version()
+    try:
+        import torch
+
+        facts["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            facts["gpu"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+    except ImportError:
+        pass
+    for package in ("ray", "deepspeed", "raylift"):
+        try:
+            facts[package] = __import__(package).__version__
+        except ImportError:
+            continue
+    facts["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return facts
+
+
+def save(
+    script: str,
+    title: str,
+    columns: list[str],
+    rows: list[list[Any]],
+    summary: dict[str, str],
+    notes: str = "",
+) -> Path:
+    """Write ``benchmarks/results/<script>.json``. ``summary`` is the README's one row:
+    ``what``, ``raylift``, ``baseline``, ``ratio`` (strings as they are to be shown)."""
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"{Path(script).stem}.json"
+    data = {
+        "benchmark": Path(script).name,
+        "title": title,
+        "machine": machine(),
+        "columns": columns,
+        "rows": rows,
+        "summary": summary,
+        "notes": notes,
+    }
+    out.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    print(f"saved {out.relative_to(RESULTS.parent.parent)}")
+    return out

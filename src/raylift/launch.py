@@ -228,13 +228,7 @@ def placement_bounds(timeout_s: float, attempt_s: str | None = None) -> tuple[fl
 
 
 def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()) -> Any:
-    from ray.train import (
-        CheckpointConfig,
-        FailureConfig,
-        LoggingConfig,
-        RunConfig,
-        ScalingConfig,
-    )
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raylift.faults import FaultReporter
@@ -267,7 +261,7 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
             storage_path=where,
-            checkpoint_config=CheckpointConfig(num_to_keep=cfg.checkpoint.keep),
+            checkpoint_config=checkpoint_config(cfg),
             # A worker group that cannot be placed is a "controller failure", which Ray
             # Train retries forever by default: bounded here by placement_timeout_s.
             failure_config=FailureConfig(  # type: ignore[call-arg]
@@ -279,6 +273,23 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
             logging_config=LoggingConfig(log_level="WARNING" if console.verbose() else "CRITICAL"),
             callbacks=[faults, *callbacks],
         ),
+    )
+
+
+def checkpoint_config(cfg: Config) -> Any:
+    """Which checkpoints Ray keeps: the newest ``checkpoint.keep``; with
+    ``tracking.log_model: best``, the ``keep`` best by the monitored metric instead, so
+    the one to log is still there at the end (Ray always keeps the newest as well, which
+    a resume starts from)."""
+    from ray.train import CheckpointConfig
+
+    if cfg.tracking.log_model != "best":
+        return CheckpointConfig(num_to_keep=cfg.checkpoint.keep)
+    metric, mode = mlmodel.monitored(cfg)
+    return CheckpointConfig(
+        num_to_keep=cfg.checkpoint.keep,
+        checkpoint_score_attribute=metric,
+        checkpoint_score_order=mode,
     )
 
 

@@ -138,6 +138,7 @@ def test_a_registered_model_trains_again_from_its_weights(
     start = [m for m in client.get_metric_history(again.info.run_id, "val_loss") if m.step == 0]
     assert final.step == 12 and start, (final, start)
     assert math.isclose(start[0].value, final.value, rel_tol=1e-6), (start[0].value, final.value)
+    print(f"val_loss: the registered run's final {final.value!r}, from it {start[0].value!r}")
     console = consoles["finetuned"]
     assert f"raylift: model.weights models:/{REGISTERED}/1 -> s3://runs/" in console, console
     assert "model logged" not in console  # tracking.log_model: none

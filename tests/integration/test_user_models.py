@@ -111,6 +111,7 @@ def test_every_strategy_trains_a_users_llama_on_ddps_curve(user_runs: tuple) -> 
     for name in ("llama-fsdp", "llama-zero3"):
         got = curve(folder, name)
         worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
+        print(f"{name}: worst relative train_loss difference from llama-ddp {worst:.2e}")
         assert worst < 1e-5, (name, worst)
 
 

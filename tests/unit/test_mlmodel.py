@@ -44,6 +44,21 @@ def test_best_follows_early_stopping_else_val_loss() -> None:
     assert monitored(load_config(QUICKSTART, ["train.early_stopping=null"])) == ("val_loss", "min")
 
 
+def test_best_keeps_the_best_checkpoints_not_only_the_newest() -> None:
+    """With keep: 3 and patience past three evaluations, the newest three alone would no
+    longer hold the best one by the end of the run."""
+    from raylift.launch import checkpoint_config
+
+    final = checkpoint_config(load_config(QUICKSTART, ["checkpoint.keep=3"]))
+    assert final.num_to_keep == 3 and final.checkpoint_score_attribute is None
+    best = checkpoint_config(load_config(QUICKSTART, [
+        "checkpoint.keep=3", "tracking.log_model=best",
+        "train.early_stopping.monitor=val_acc", "train.early_stopping.mode=max",
+    ]))  # fmt: skip
+    assert best.num_to_keep == 3
+    assert (best.checkpoint_score_attribute, best.checkpoint_score_order) == ("val_acc", "max")
+
+
 def test_log_model_and_register_as_are_checked_with_their_fix() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(QUICKSTART, ["tracking.log_model=always", "tracking.register_as=''"])

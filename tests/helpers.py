@@ -163,6 +163,9 @@ def _pool_rank(rank: int, world: int, init_file: str, jobs: Any, results: Any) -
     stop. After a failed job it leaves: its group may be mid-collective."""
     import traceback
 
+    # One thread a rank, as Ray gives a one-CPU worker (OMP_NUM_THREADS=1): two ranks of
+    # two threads each on two cores spend their time preempting each other in gloo waits.
+    torch.set_num_threads(1)
     init_pg(rank, world, init_file)
     try:
         while (job := jobs.get()) is not None:

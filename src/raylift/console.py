@@ -16,7 +16,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -120,7 +120,61 @@ def _kept(data: dict[str, Any]) -> dict[str, Any] | None:
         return None
     # Blank lines too: a worker's flush can forward one, between raylift's lines.
     lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
+    lines = _FORWARDED.first_copies(data.get("ip"), data.get("pid"), lines)
     return {**data, "lines": lines} if lines else None
+
+
+class Forwarded:
+    """Drops the copies of a line that several nodes on one host forward.
+
+    Nodes that share one host share its logs folder (Ray's fake multinode nodes, the
+    autoscaling cluster of ``cluster/local-fake.yaml``), and each node's log monitor
+    forwards every worker's file: each line would print once per node, from the same
+    address and pid. Where several alive nodes share an address, a line is a copy when
+    the same text from the same process came in another batch within ``window_s``. On a
+    cluster of one node per host nothing is dropped."""
+
+    def __init__(self, window_s: float = 5.0, shared: Callable[[], bool] | None = None):
+        self.window_s = window_s
+        self.shared = shared or _nodes_share_a_host
+        self.seen: dict[tuple[Any, Any, str], tuple[int, float]] = {}
+        self.batches = 0
+
+    def first_copies(self, ip: Any, pid: Any, lines: list[str]) -> list[str]:
+        import time
+
+        if not lines or not self.shared():
+            return lines
+        now, self.batches = time.monotonic(), self.batches + 1
+        if len(self.seen) > 10_000:  # forget what is past the window
+            self.seen = {k: v for k, v in self.seen.items() if now - v[1] < self.window_s}
+        kept = []
+        for line in lines:
+            first = self.seen.get((ip, pid, line))
+            if first and first[0] != self.batches and now - first[1] < self.window_s:
+                continue
+            self.seen[(ip, pid, line)] = (self.batches, now)
+            kept.append(line)
+        return kept
+
+
+def _nodes_share_a_host(_cache: dict[str, float] = {}) -> bool:  # noqa: B006
+    """Whether two alive nodes of the cluster share an address (asked every 10 s)."""
+    import time
+
+    import ray
+
+    now = time.monotonic()
+    if now - _cache.get("at", -1e9) > 10.0:
+        try:
+            ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+        except Exception:  # not connected, or the GCS is busy: assume one node per host
+            ips = []
+        _cache.update(at=now, shared=float(len(ips) != len(set(ips))))
+    return bool(_cache["shared"])
+
+
+_FORWARDED = Forwarded()
 
 
 def _ray_messages_file() -> Path:

@@ -120,9 +120,11 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
             )
         except ValueError:
             # Inside a Ray job whose runtime env already sets these (raylift submit does),
-            # Ray refuses to merge the same keys twice: the job's own env applies.
+            # Ray refuses to merge the same keys twice: the job's own env applies, plus what
+            # it lacks (RAY_ADDRESS, above).
+            missing = {k: v for k, v in env.items() if k not in job_env_vars()}
             ray.init(
-                runtime_env=code or None,
+                runtime_env={**code, "env_vars": missing} if missing else code or None,
                 logging_level=console.ray_logging_level(),
                 log_to_driver=True,
             )
@@ -142,6 +144,20 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         log_to_driver=True,
     )
     console.filter_worker_logs()
+
+
+def job_env_vars() -> dict[str, str]:
+    """The env vars of the Ray job this driver runs in (its submitted runtime env)."""
+    import json
+
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray's job supervisor
+    if not raw:
+        return {}
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except ValueError:
+        return {}
+    return dict(runtime_env.get("env_vars") or {})
 
 
 def check_token(address: str) -> None:

@@ -9,7 +9,9 @@ Ray's own client and travels only in request headers: raylift never writes it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import re
 import shlex
 import time
 import uuid
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift.config import Config, ConfigError
+from raylift.console import verbose
 
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 AGENT_WAIT_S = 60.0
@@ -118,13 +121,31 @@ def submit(
             time.sleep(2)
 
 
+# Ray's own records in a job's log and in this process: the job manager's ("Runtime env is
+# setting up."), the entrypoint it runs, the log stream's ("WebSocket closed"). Warnings
+# and errors are kept.
+RAY_JOB_RECORD = re.compile(
+    r"^(\d{4}-\d\d-\d\d [\d:,]+\s+(DEBUG|INFO) \S+\.py:\d+ -- |Running entrypoint for job )"
+)
+
+
+def job_lines(chunk: str) -> str:
+    """What of a chunk of the job's log the console shows: raylift's run, not Ray's."""
+    if verbose():
+        return chunk
+    return "".join(ln for ln in chunk.splitlines(keepends=True) if not RAY_JOB_RECORD.match(ln))
+
+
 def follow(jobs: Any, job_id: str, log: Any = print) -> str:
     """Stream the job's logs until it ends; its final status."""
 
     async def tail() -> None:
         async for lines in jobs.tail_job_logs(job_id):
-            log(lines, end="")
+            if shown := job_lines(lines):
+                log(shown, end="")
 
+    if not verbose():
+        logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)
     asyncio.run(tail())
     status = str(jobs.get_job_status(job_id))
     while status.rsplit(".", 1)[-1] not in TERMINAL:  # logs can end a moment before the status

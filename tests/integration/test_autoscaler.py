@@ -1,8 +1,9 @@
 """The cluster as it is: cluster/local-fake.yaml (Ray's fake_multinode autoscaler; the head
-holds no worker), storage on the S3 server. `raylift check` before a run; a fixed-size run
-gets its workers on nodes the autoscaler starts; an elastic run starts with what is there
-and grows as nodes arrive; `raylift submit` trains through the Jobs API with the default
-tracking store; the idle nodes go after. Its own Ray, in its own temp dir, stopped by pid."""
+holds no worker), storage on the S3 server. `raylift check` before a run; `raylift submit`
+trains a fixed-size run through the Jobs API, on nodes the autoscaler starts, with the
+default tracking store; an elastic run starts with what there is room for and grows when
+the autoscaler brings another node; the idle nodes go after. Its own Ray, in its own temp
+dir, stopped by pid."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class FakeCluster:
         self.root, self.temp_dir = root, temp_dir
         self.address, self.jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
         self.watch = root / "nodes.jsonl"
+        self.hold = root / "hold"
 
     def env(self) -> dict[str, str]:
         """A user's shell on the head's host, pointed at this cluster."""
@@ -123,7 +125,7 @@ def finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
 def scenario(cluster: FakeCluster) -> dict[str, str]:
     """Everything the tests below look at, run once, in order; each step's console."""
     bucket = f"s3://runs/{cluster.root.name}"
-    common = [f"storage={bucket}", "train.early_stopping=null"]
+    common = [f"storage={bucket}", "train.early_stopping=null", *HELD]
     out: dict[str, str] = {}
     check = [str(QUICKSTART), f"storage={bucket}", f"--cluster-config={cluster.root / 'fake.yaml'}"]
     right = cluster.raylift("check", *check)
@@ -131,41 +133,66 @@ def scenario(cluster: FakeCluster) -> dict[str, str]:
     out["check"] = finish(right, "check")  # the two checks ran side by side
     out["check-wrong"], _ = wrong.communicate(timeout=300)
     out["check-wrong-code"] = str(wrong.returncode)
-    out["fixed"], out["elastic"] = fixed_and_elastic(cluster, common)
+    # A fixed-size run (2 workers) through the Jobs API: the head holds no CPU, so its
+    # workers land on nodes the autoscaler launches for it.
     out["submit"] = finish(
         cluster.raylift(
             # The fake nodes share this disk: the job runs in the repository itself. (A
             # shipped copy would be unpacked again, under the driver, by each new node.)
             "submit", "configs/quickstart.yaml", "--address", cluster.jobs, "--in-place", "train",
-            "name=submitted", "train.max_steps=10", *common, cwd=REPO,
+            "name=submitted", "train.max_steps=10", *common, f"task_args.hold={cluster.hold}",
+            cwd=REPO,
         ),
         "raylift submit",
     )  # fmt: skip
+    out["elastic"], out["grew_at"] = elastic_run(cluster, common)
     out["idle_since"] = str(time.time())
     return out
 
 
-def held(cluster: FakeCluster, name: str, hold: Path, *args: str) -> subprocess.Popen:
-    """A run of digits whose every batch waits 0.5 s while the file ``hold`` exists."""
-    return cluster.raylift(
-        "train", str(QUICKSTART), f"name={name}", "task=tests.elastic_run:HeldDigits",
-        f"task_args={{hold: {hold}, hold_s: 0.5, width: 32, dropout: 0.1}}", *args,
-    )  # fmt: skip
+# The digits task whose every batch waits 0.5 s while a hold file exists: the elastic run
+# cannot finish before its third node comes, however fast this machine trains.
+HELD = ["task=tests.elastic_run:HeldDigits", "task_args={hold_s: 0.5, width: 32, dropout: 0.1}"]
 
 
-def fixed_and_elastic(cluster: FakeCluster, common: list[str]) -> tuple[str, str]:
-    """A fixed-size run (2 workers) on nodes the autoscaler launches for it, then an
-    elastic run ``num_workers: [1, 3]`` of the same task (its shards ready) on what is
-    there and what the autoscaler adds. (Its batches would wait while the hold file
-    exists; no file is made: they run at full speed.)"""
-    hold = cluster.root / "hold"
-    fixed = finish(held(cluster, "fixed", hold, "train.max_steps=10", *common), "fixed")
-    elastic = held(
-        cluster, "elastic", hold, "scaling.num_workers=[1,3]", "scaling.resize_interval_s=5",
-        "train.grad_accum=2", "train.max_failures=5", "train.max_epochs=8",
-        "checkpoint.every_n_steps=10", *common,
+def set_node_cap(cluster: FakeCluster, cap: int) -> None:
+    """How many worker nodes the autoscaler may run: it rereads its config every update,
+    as a cloud's capacity (spot, quota) changes under a running cluster."""
+    config = yaml.safe_load((cluster.root / "fake.yaml").read_text())
+    config["max_workers"] = config["available_node_types"]["cpu_worker"]["max_workers"] = cap
+    (cluster.root / "fake.yaml").write_text(yaml.safe_dump(config))
+
+
+def elastic_run(cluster: FakeCluster, common: list[str]) -> tuple[str, str]:
+    """``num_workers: [1, 3]`` (its shards ready) while the cloud has room for 2 nodes: it
+    starts on what is there; then room for a third appears, the autoscaler launches it,
+    and the run grows to 3 from its checkpoint. Its batches wait while the hold file
+    exists, until the run has grown; then the rest runs at full speed."""
+    set_node_cap(cluster, 2)
+    cluster.hold.touch()
+    proc = cluster.raylift(
+        "train", str(QUICKSTART), "name=elastic", *common, f"task_args.hold={cluster.hold}",
+        "scaling.num_workers=[1,3]", "scaling.resize_interval_s=5", "train.grad_accum=2",
+        "train.max_failures=5", "train.max_epochs=4", "checkpoint.every_n_steps=5",
+        "train.log_every_n_steps=5",
     )  # fmt: skip
-    return fixed, finish(elastic, "the elastic run")
+    lines: list[str] = []
+    grew_at = ""
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if line.startswith("epoch ") and cluster.hold.exists() and not grew_at:
+                set_node_cap(cluster, 3)  # training, on at most 2 nodes: room for one more
+            if re.search(r"-> 3 workers", line) and not grew_at:
+                grew_at = str(time.time())
+                cluster.hold.unlink()
+        proc.wait(timeout=600)
+    finally:
+        cluster.hold.unlink(missing_ok=True)
+        set_node_cap(cluster, 3)
+    out = "".join(lines)
+    assert proc.returncode == 0, f"the elastic run:\n{out[-4000:]}"
+    return out, grew_at
 
 
 def quiet(out: str) -> list[str]:
@@ -187,24 +214,25 @@ def test_check_says_the_run_can_start_and_names_a_wrong_bucket(scenario: dict) -
 def test_a_fixed_size_run_gets_its_workers_on_nodes_the_autoscaler_starts(
     cluster: FakeCluster, scenario: dict
 ) -> None:
-    out = scenario["fixed"]
+    """The submitted run: 2 workers, and the head holds no CPU."""
+    out = scenario["submit"]
     assert not quiet(out), quiet(out)
-    assert "finished" in out and "at step 10" in out
+    assert out.count("model state held by rank 0") == 1, out  # once, not once per node
+    assert "finished" in out and "at step 10" in out, out[-3000:]
     history = cluster.history()
     workers = {n for _, nodes in history for n, cpus in nodes.items() if cpus > 0}
     assert len(workers) >= 2, history[-1]  # the head has no CPU: these were launched
 
 
-def test_an_elastic_run_trains_on_the_nodes_the_autoscaler_brings(
+def test_an_elastic_run_grows_onto_the_node_the_autoscaler_brings(
     cluster: FakeCluster, scenario: dict
 ) -> None:
-    """Ray Train V2's elastic policy sizes the group from what the cluster reserves for it
-    when it decides: here it started at 2 and grew to 3 as the third node came in some
-    runs, and in others the third node was up before the first decision. Either way the
-    global batch stays the same (a resize is a restart from the checkpoint)."""
+    """It started on what there was room for (at most 2 nodes), grew to 3 workers from its
+    checkpoint when the third node came, kept its global batch, and trained every step."""
     out = scenario["elastic"]
     assert not quiet(out), quiet(out)
-    assert "finished" in out and "at step 56" in out, out[-3000:]
+    assert scenario["grew_at"], out[-3000:]
+    assert "finished" in out and "at step 28" in out, out[-3000:]  # 4 epochs of 7 steps
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{cluster.root / 'mlflow.db'}")
@@ -212,9 +240,14 @@ def test_an_elastic_run_trains_on_the_nodes_the_autoscaler_brings(
     (run,) = client.search_runs([exp.experiment_id], "tags.`mlflow.runName` = 'elastic'")
     sizes = [int(m.value) for m in client.get_metric_history(run.info.run_id, "world_size")]
     batches = {m.value for m in client.get_metric_history(run.info.run_id, "global_batch")}
-    assert sizes and max(sizes) <= 3 and len(batches) == 1, (sizes, batches)
-    grew = re.findall(r"\((\d) -> (\d) workers", out)
-    print(f"elastic world sizes in order {sizes}; resizes {grew}")
+    assert sizes[0] <= 2 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
+    assert batches == {192.0}, batches  # 32 x 3 accumulated on 2 workers, 32 x 2 on 3
+    grew = re.findall(r"resumed from (\S+) .*; (\d) -> (\d) workers", out)
+    start = cluster.history()[0][0]
+    print(f"elastic world sizes in order {sizes}; resizes {grew}; "
+          f"grew to 3 {float(scenario['grew_at']) - start:.0f} s after the head")  # fmt: skip
+    # One resize, said once: the fake nodes share a logs folder and each forwards it.
+    assert len(grew) == 1 and grew[0][0].startswith("s3://runs/"), grew
 
 
 def test_submit_trains_through_the_jobs_api_with_s3_and_the_drivers_store(

@@ -85,6 +85,25 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
     assert busy in console._ray_messages_file().read_text()
 
 
+def test_a_line_forwarded_by_several_nodes_on_one_host_prints_once() -> None:
+    """Nodes sharing a host (the fake autoscaling cluster) share its logs folder and each
+    forwards every worker's file; within one batch, on another host, or later, a repeated
+    line is still shown."""
+    seen = console.Forwarded(window_s=30.0, shared=lambda: True)
+    line = "raylift: resumed from s3://runs/x/checkpoint-step00000010 at step 10"
+    assert seen.first_copies("10.0.0.1", 7, [line, "epoch 1"]) == [line, "epoch 1"]
+    assert seen.first_copies("10.0.0.1", 7, [line]) == []  # node 2's copy of pid 7's line
+    assert seen.first_copies("10.0.0.1", 7, ["  ^^^", "  ^^^"]) == ["  ^^^", "  ^^^"]
+    assert seen.first_copies("10.0.0.1", 8, [line]) == [line]  # another process
+    assert seen.first_copies("10.0.0.2", 7, [line]) == [line]  # another host
+    later = console.Forwarded(window_s=0.0, shared=lambda: True)
+    later.first_copies("10.0.0.1", 7, [line])
+    assert later.first_copies("10.0.0.1", 7, [line]) == [line]  # outside the window
+    apart = console.Forwarded(window_s=30.0, shared=lambda: False)
+    apart.first_copies("10.0.0.1", 7, [line])
+    assert apart.first_copies("10.0.0.1", 7, [line]) == [line]  # one node per host
+
+
 def test_verbose_keeps_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from raylift.config import ConfigError, load_config
-from raylift.submit import config_in_working_dir, entrypoint, runtime_env, submission_id
+from raylift.submit import (
+    config_in_working_dir,
+    entrypoint,
+    job_lines,
+    runtime_env,
+    submission_id,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -74,3 +80,31 @@ def test_in_place_runs_in_the_folder_every_node_mounts(tmp_path: Path) -> None:
 
     env = runtime_env(Config(), tmp_path, in_place=True)
     assert env["working_dir"] == f"local://{tmp_path}" and "excludes" not in env
+
+
+def test_the_job_log_shows_the_run_not_rays_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAYLIFT_VERBOSE", raising=False)
+    chunk = (
+        "2026-11-25 23:51:34,971\tINFO job_manager.py:581 -- Runtime env is setting up.\n"
+        "Running entrypoint for job raylift-train-x: raylift train configs/quickstart.yaml\n"
+        "raylift: strategy ddp\n"
+        "2026-11-25 23:51:35,002\tWARNING worker.py:12 -- something a user can act on\n"
+    )
+    assert job_lines(chunk) == (
+        "raylift: strategy ddp\n"
+        "2026-11-25 23:51:35,002\tWARNING worker.py:12 -- something a user can act on\n"
+    )
+    monkeypatch.setenv("RAYLIFT_VERBOSE", "1")
+    assert job_lines(chunk) == chunk
+
+
+def test_a_job_driver_adds_only_what_its_job_env_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from raylift.launch import job_env_vars
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert job_env_vars() == {}
+    job = {"runtime_env": {"env_vars": {"RAYLIFT_SUBMITTED": "1"}}, "metadata": {}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert job_env_vars() == {"RAYLIFT_SUBMITTED": "1"}

@@ -10,6 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
+# Tests that start Rays of their own and spend most of their time waiting on nodes and
+# start-ups: they run side by side (own_rays), first, before the session's Ray is busy.
+SIDE_BY_SIDE = ("test_autoscaler.py", "test_elastic.py", "test_own_ray.py")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in SIDE_BY_SIDE)  # stable: the rest as is
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -212,6 +219,32 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
         else:
             os.environ["RAY_ADDRESS"] = previous
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def own_rays(
+    request: pytest.FixtureRequest, ray_cluster: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future]:
+    """The elastic cluster (tests/elastic_run.py) and the two commands that start their own
+    local Ray (test_own_ray), started in the background when the first of the side-by-side
+    tests asks: the autoscaler test's fake cluster runs beside them. Each test waits for
+    its own result. Only the selected ones start."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.integration.test_elastic import elastic_scenario
+    from tests.integration.test_own_ray import side_by_side
+
+    selected = {item.path.name for item in request.session.items}
+    scenarios = {"elastic": ("test_elastic.py", elastic_scenario),
+                 "own_ray": ("test_own_ray.py", side_by_side)}  # fmt: skip
+    pool = ThreadPoolExecutor(len(scenarios), thread_name_prefix="own-ray")
+    futures = {
+        name: pool.submit(run, tmp_path_factory.mktemp(name))
+        for name, (module, run) in scenarios.items()
+        if module in selected
+    }
+    pool.shutdown(wait=False)
+    return futures
 
 
 @pytest.fixture

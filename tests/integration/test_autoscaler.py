@@ -72,7 +72,11 @@ class FakeCluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeCluster]:
+def cluster(
+    own_rays: dict, s3_server: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FakeCluster]:
+    """The fake autoscaling cluster, beside the other tests that start Rays of their own
+    (``own_rays``, started first)."""
     root = tmp_path_factory.mktemp("fake-cluster")
     temp_dir = tempfile.mkdtemp(prefix="rl-fk-", dir="/tmp")  # short: unix socket paths
     gcs, dashboard = free_port(), free_port()

@@ -16,16 +16,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_an_elastic_run_shrinks_when_a_node_goes_and_grows_when_one_comes(tmp_path: Path) -> None:
+def elastic_scenario(tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(REPO / "tests" / "elastic_run.py"), str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+def test_an_elastic_run_shrinks_when_a_node_goes_and_grows_when_one_comes(
+    own_rays: dict,
+) -> None:
+    """Run beside the autoscaler test (conftest.own_rays)."""
+    done = own_rays["elastic"].result(timeout=900)
     out = done.stdout
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
     worlds = [int(line.split()[1]) for line in out.splitlines() if line.startswith("world_size")]

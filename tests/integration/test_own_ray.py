@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -169,8 +170,9 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
     assert out.count("model logged to MLflow") == 1
 
 
-def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> None:
-    """The sweep is an ASHA sweep of distributed trials (raylift tune's own test too)."""
+def side_by_side(tmp_path: Path) -> dict[str, Any]:
+    """The sweep (an ASHA sweep of distributed trials) and the run, started together; what
+    they printed and what the run's process tree listened on."""
     sweep = subprocess.Popen(
         command(tmp_path, "tune", asha_config(tmp_path), "side-sweep", *ASHA),
         cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -190,6 +192,15 @@ def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(tmp_path: Path) -> N
         for proc in (run, sweep):
             if proc.poll() is None:
                 proc.kill()
+    return {"run": run, "out": out, "err": err, "sweep": sweep, "swept": swept, "seen": seen,
+            "jobs": jobs, "tmp": tmp_path}  # fmt: skip
+
+
+def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(own_rays: dict) -> None:
+    """Run beside the autoscaler test (conftest.own_rays)."""
+    got = own_rays["own_ray"].result(timeout=900)
+    run, out, err, sweep, swept = (got[k] for k in ("run", "out", "err", "sweep", "swept"))
+    seen, jobs, tmp_path = got["seen"], got["jobs"], got["tmp"]
     assert run.returncode == 0, out[-3000:] + err[-3000:]
     assert sweep.returncode == 0, swept[-4000:]
     assert "finished" in out and "raylift: best config:" in swept, swept[-2000:]

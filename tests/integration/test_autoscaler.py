@@ -115,7 +115,7 @@ def cluster(
     finally:
         if watcher is not None:
             watcher.kill()
-        stop_ray_of(temp_dir)
+        stop_ray_of(temp_dir, timeout=3.0)  # what is left after 3 s is killed: it is all Ray
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

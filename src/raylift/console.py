@@ -13,8 +13,10 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -134,15 +136,16 @@ class Forwarded:
     the same text from the same process came in another batch within ``window_s``. On a
     cluster of one node per host nothing is dropped."""
 
+    RECHECK_S = 10.0  # how often to ask the cluster whether nodes share a host
+
     def __init__(self, window_s: float = 5.0, shared: Callable[[], bool] | None = None):
         self.window_s = window_s
-        self.shared = shared or _nodes_share_a_host
+        self.shared = shared or self._nodes_share_a_host
         self.seen: dict[tuple[Any, Any, str], tuple[int, float]] = {}
         self.batches = 0
+        self._checked_at, self._shared = -math.inf, False
 
     def first_copies(self, ip: Any, pid: Any, lines: list[str]) -> list[str]:
-        import time
-
         if not lines or not self.shared():
             return lines
         now, self.batches = time.monotonic(), self.batches + 1
@@ -157,21 +160,17 @@ class Forwarded:
             kept.append(line)
         return kept
 
+    def _nodes_share_a_host(self) -> bool:
+        now = time.monotonic()
+        if now - self._checked_at > self.RECHECK_S:
+            import ray
 
-def _nodes_share_a_host(_cache: dict[str, float] = {}) -> bool:  # noqa: B006
-    """Whether two alive nodes of the cluster share an address (asked every 10 s)."""
-    import time
-
-    import ray
-
-    now = time.monotonic()
-    if now - _cache.get("at", -1e9) > 10.0:
-        try:
-            ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
-        except Exception:  # not connected, or the GCS is busy: assume one node per host
-            ips = []
-        _cache.update(at=now, shared=float(len(ips) != len(set(ips))))
-    return bool(_cache["shared"])
+            try:
+                ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+            except Exception:  # not connected, or the GCS is busy: one node per host
+                ips = []
+            self._checked_at, self._shared = now, len(ips) != len(set(ips))
+        return self._shared
 
 
 _FORWARDED = Forwarded()

@@ -41,6 +41,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 SESSION: dict[str, str] = {}  # what the session's Ray was started with
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if any(item.nodeid.endswith("test_clean[mypy]") for item in session.items):
+        from tests.unit.test_lint import start_early
+
+        start_early("mypy")
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.helpers import close_pools
 

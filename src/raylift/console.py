@@ -28,10 +28,13 @@ VERBOSE_ENV = "RAYLIFT_VERBOSE"
 # its own log lines (``[2026-01-01 00:00:00,000 E 123 456] core_worker.cc:12: ...``),
 # abseil's raw lines (``[mutex.cc : 452] RAW: Lock blocking ...``), and the failure
 # signal handler's dump of a C++ stack (``*** SIGSEGV received at ...``, ``PC: @ ...``,
-# ``    @     0x7f543545a050       9104  (unknown)``). A process that dies this way is
-# reported by raylift in its own words; the dump itself stays in Ray's log files.
+# ``    @     0x7f543545a050       9104  (unknown)``), and torch's C++ warnings. A
+# process that dies this way is reported by raylift in its own words; the lines stay in
+# Ray's log files (the worker's own).
 CPP_LINE = re.compile(
     r"^(\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+"
+    # torch's C++ (c10d) warnings: ``[W1126 01:48:03.303881950 socket.cpp:207] [c10d] ...``
+    r"|\[[IWE]\d{4} [\d:.]+ \S+\.(cpp|cc|h):\d+\] "
     r"|\[\S+\.(cc|h) ?: ?\d+\] RAW: "
     r"|\*\*\* SIG[A-Z]+ received at "
     r"|PC: @ "

@@ -77,6 +77,11 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
     dispatcher.emit({"lines": [CPP, ours, "", "Traceback (most recent call last):"], "pid": 1})
     dispatcher.emit({"lines": ["", "  "], "pid": 1})  # a flush's blank line
     dispatcher.emit({"lines": [CPP, *DUMP], "pid": 1})
+    c10d = (
+        "[W1126 01:48:03.303881950 socket.cpp:207] [c10d] The hostname of the client socket "
+        "cannot be retrieved. err=-3"
+    )  # a GPU worker's process group, seen on an H200
+    dispatcher.emit({"lines": [c10d], "pid": 1})
     assert printed == [ours, "Traceback (most recent call last):"]
     # What Ray's own processes publish goes to a file in Ray's logs folder, not here.
     busy = "WARNING: 8 PYTHON worker processes have been started on node: 25a8"

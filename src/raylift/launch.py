@@ -122,7 +122,8 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
             # Inside a Ray job whose runtime env already sets these (raylift submit does),
             # Ray refuses to merge the same keys twice: the job's own env applies, plus what
             # it lacks (RAY_ADDRESS, above).
-            missing = {k: v for k, v in env.items() if k not in job_env_vars()}
+            job_env = job_env_vars()
+            missing = {k: v for k, v in env.items() if k not in job_env}
             ray.init(
                 runtime_env={**code, "env_vars": missing} if missing else code or None,
                 logging_level=console.ray_logging_level(),

@@ -200,7 +200,7 @@ def _start_run(
         **(extra_tags or {}),
     }
     if run_id is None:
-        exp_id = experiment_id(mlflow, cfg.tracking.experiment)
+        exp_id = experiment_id(mlflow, cfg.tracking.experiment, artifact_location(uri))
         run_id = mlflow.create_run(exp_id, tags=tags).info.run_id
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
@@ -216,14 +216,25 @@ def _start_run(
     return str(run_id)
 
 
-def experiment_id(mlflow: Any, name: str) -> str:
-    """The experiment's id, created if missing. Two commands that start together against
-    one server may both create it: the loser finds the winner's."""
+def artifact_location(uri: str) -> str | None:
+    """Where a new experiment of a sqlite store keeps its artifacts: ``mlruns`` beside the
+    file. MLflow's default is ``./mlruns`` of whichever process creates the experiment;
+    for a submitted job that is Ray's copy of the shipped folder, deleted after the job."""
+    if not uri.startswith("sqlite:///"):
+        return None  # a server's or a database's own artifact root
+    return (Path(uri[len("sqlite:///") :]).parent / "mlruns").as_uri()
+
+
+def experiment_id(mlflow: Any, name: str, artifacts: str | None = None) -> str:
+    """The experiment's id, created if missing (its artifacts under ``artifacts``, when
+    given). Two commands that start together against one server may both create it: the
+    loser finds the winner's."""
     exp = mlflow.get_experiment_by_name(name)
     if exp is not None:
         return str(exp.experiment_id)
     try:
-        return str(mlflow.create_experiment(name))
+        location = f"{artifacts}/{name}" if artifacts else None
+        return str(mlflow.create_experiment(name, artifact_location=location))
     except Exception:  # the server's error types: "already exists", or its unique constraint
         exp = mlflow.get_experiment_by_name(name)
         if exp is None:

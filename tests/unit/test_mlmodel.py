@@ -121,3 +121,26 @@ def test_a_submitted_jobs_default_store_is_under_raylift_home(
     monkeypatch.setenv("RAYLIFT_HOME", str(tmp_path / "home"))
     assert default_uri() == f"sqlite:///{(tmp_path / 'home').resolve() / 'mlflow.db'}"
     assert (tmp_path / "home").is_dir()
+
+
+def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A submitted job's driver runs in Ray's copy of the shipped folder, deleted after the
+    job: what the run logs must land beside the store in $RAYLIFT_HOME instead."""
+    from mlflow.tracking import MlflowClient
+
+    from raylift.tracking import start_run
+
+    home, job = tmp_path / "home", tmp_path / "job"
+    home.mkdir()
+    job.mkdir()
+    monkeypatch.chdir(job)
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    cfg = load_config(QUICKSTART, [f"tracking.uri={uri}"])
+    run_id = start_run(cfg, str(tmp_path / "runs"), resume=False, world_size=1)
+    client = MlflowClient(tracking_uri=uri)
+    (job / "note.txt").write_text("logged")
+    client.log_artifact(run_id, str(job / "note.txt"))
+    assert (home / "mlruns" / "raylift" / run_id / "artifacts" / "note.txt").is_file()
+    assert not (job / "mlruns").exists()

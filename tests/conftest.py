@@ -23,13 +23,34 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-# Tests that start Rays of their own and spend most of their time waiting on nodes and
-# start-ups: they run side by side (own_rays), first, before the session's Ray is busy.
-SIDE_BY_SIDE = ("test_autoscaler.py", "test_elastic.py", "test_own_ray.py")
+# The order: first what must run alone (the doctor's verdicts rest on timings a busy
+# machine would change); then the tests on the session's Ray, then those without Ray;
+# last the tests of what ran in the background (``background``: two scenarios that start
+# Rays of their own and spend much of their time waiting on nodes and start-ups), which
+# started with the first test after the alone ones.
+ALONE = ("test_doctor.py",)
+BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
+# On the session's Ray, the tests that spend most of their time waiting (on jobs, restarts,
+# a sweep's trials) go first, beside the background scenarios.
+WAITING = ("test_submit.py", "test_train.py", "test_tune.py")
+
+
+def lane(item: pytest.Item) -> int:
+    name = item.path.name
+    if name in ALONE and "integration" in item.path.parts:
+        return 0
+    if name in BACKGROUND.values():
+        return 3
+    return 1 if "integration" in item.path.parts else 2
+
+
+def order(item: pytest.Item) -> tuple[int, int]:
+    name, at = item.path.name, lane(item)
+    return at, WAITING.index(name) if at == 1 and name in WAITING else len(WAITING)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.path.name not in SIDE_BY_SIDE)  # stable: the rest as is
+    items.sort(key=order)  # stable: within a lane, as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -39,13 +60,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 SESSION: dict[str, str] = {}  # what the session's Ray was started with
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if any(item.nodeid.endswith("test_clean[mypy]") for item in session.items):
-        from tests.unit.test_lint import start_early
-
-        start_early("mypy")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -229,29 +243,43 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def own_rays(
-    request: pytest.FixtureRequest, ray_cluster: str, tmp_path_factory: pytest.TempPathFactory
+def background(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Future]:
-    """The elastic cluster (tests/elastic_run.py) and the two commands that start their own
-    local Ray (test_own_ray), started in the background when the first of the side-by-side
-    tests asks: the autoscaler test's fake cluster runs beside them. Each test waits for
-    its own result. Only the selected ones start."""
+    """The autoscaler test's fake cluster and the two commands that each start their own
+    local Ray (test_own_ray), run in background threads from the first test after the
+    alone ones; their tests, last, wait for what they left. Only the selected ones start.
+    mypy (cold in a fresh venv) starts here too."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.integration.test_elastic import elastic_scenario
+    session = request.session.items
+    if any(item.nodeid.endswith("test_clean[mypy]") for item in session):
+        from tests.unit.test_lint import start_early
+
+        start_early("mypy")
+    selected = [name for name, module in BACKGROUND.items()
+                if any(item.path.name == module for item in session)]  # fmt: skip
+    if not selected:
+        return {}
+    request.getfixturevalue("s3_server")
+    # A user's shell, as it is now: the tests that run meanwhile change os.environ.
+    shell = dict(os.environ)
+    from tests.integration.test_autoscaler import autoscaler_scenario
     from tests.integration.test_own_ray import side_by_side
 
-    selected = {item.path.name for item in request.session.items}
-    scenarios = {"elastic": ("test_elastic.py", elastic_scenario),
-                 "own_ray": ("test_own_ray.py", side_by_side)}  # fmt: skip
-    pool = ThreadPoolExecutor(len(scenarios), thread_name_prefix="own-ray")
+    runs = {"autoscaler": autoscaler_scenario, "own_ray": side_by_side}
+    pool = ThreadPoolExecutor(len(selected), thread_name_prefix="background")
     futures = {
-        name: pool.submit(run, tmp_path_factory.mktemp(name))
-        for name, (module, run) in scenarios.items()
-        if module in selected
+        name: pool.submit(runs[name], tmp_path_factory.mktemp(name), shell) for name in selected
     }
     pool.shutdown(wait=False)
     return futures
+
+
+@pytest.fixture(autouse=True)
+def _background_from_the_first_shared_test(request: pytest.FixtureRequest) -> None:
+    if lane(request.node) > 0:
+        request.getfixturevalue("background")
 
 
 @pytest.fixture

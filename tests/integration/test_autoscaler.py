@@ -1,14 +1,14 @@
 """The cluster as it is: cluster/local-fake.yaml (Ray's fake_multinode autoscaler; the head
 holds no worker), storage on the S3 server. `raylift check` before a run; `raylift submit`
 trains a fixed-size run through the Jobs API, on nodes the autoscaler starts, with the
-default tracking store; an elastic run starts with what there is room for and grows when
-the autoscaler brings another node; the idle nodes go after. Its own Ray, in its own temp
-dir, stopped by pid."""
+default tracking store; an elastic run starts with what there is room for, grows when the
+autoscaler brings another node and shrinks when the cloud reclaims one; the idle nodes go
+after. Its own Ray, in its own temp dir, stopped by pid."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import shutil
 import socket
@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -40,15 +41,15 @@ def free_port() -> int:
 
 
 class FakeCluster:
-    def __init__(self, root: Path, temp_dir: str, gcs: int, dashboard: int):
-        self.root, self.temp_dir = root, temp_dir
+    def __init__(self, root: Path, temp_dir: str, gcs: int, dashboard: int, shell: dict[str, str]):
+        self.root, self.temp_dir, self.shell = root, temp_dir, shell
         self.address, self.jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
         self.watch = root / "nodes.jsonl"
         self.hold = root / "hold"
 
     def env(self) -> dict[str, str]:
         """A user's shell on the head's host, pointed at this cluster."""
-        env = {k: v for k, v in os.environ.items() if k not in WORKER_ENV}
+        env = {k: v for k, v in self.shell.items() if k not in WORKER_ENV}
         return {
             **env,
             "RAY_ADDRESS": self.address,
@@ -71,20 +72,16 @@ class FakeCluster:
         return [(r["t"], r["nodes"]) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def cluster(
-    own_rays: dict, s3_server: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FakeCluster]:
-    """The fake autoscaling cluster, beside the other tests that start Rays of their own
-    (``own_rays``, started first)."""
-    root = tmp_path_factory.mktemp("fake-cluster")
+@contextlib.contextmanager
+def fake_cluster(root: Path, shell: dict[str, str]) -> Iterator[FakeCluster]:
+    """The fake autoscaling cluster, stopped by pid when done."""
     temp_dir = tempfile.mkdtemp(prefix="rl-fk-", dir="/tmp")  # short: unix socket paths
     gcs, dashboard = free_port(), free_port()
     config = yaml.safe_load(FAKE.read_text())
     config["provider"]["gcs_address"] = f"127.0.0.1:{gcs}"
     config["idle_timeout_minutes"] = IDLE_MINUTES
     (root / "fake.yaml").write_text(yaml.safe_dump(config))
-    fake = FakeCluster(root, temp_dir, gcs, dashboard)
+    fake = FakeCluster(root, temp_dir, gcs, dashboard, shell)
     # RAYLIFT_HOME: where a submitted job's default MLflow store goes on the head.
     env = {**fake.env(), "RAY_FAKE_CLUSTER": "1", "RAYLIFT_HOME": str(root / "head-home")}
     env.pop("RAY_ADDRESS")
@@ -102,14 +99,16 @@ def cluster(
     try:
         # `ray start` with RAY_AUTH_MODE=token wants a token to exist (ray.init makes one;
         # on a fresh machine nothing has yet): made here as a user would, once per host.
-        token = subprocess.run([head[0], "get-auth-token", "--generate"], env=env,
+        token = subprocess.run([head[0], "get-auth-token", "--generate"], env=env, cwd=root,
                                capture_output=True, text=True, timeout=60)  # fmt: skip
         assert token.returncode == 0, token.stderr[-2000:]
-        started = subprocess.run(head, env=env, capture_output=True, text=True, timeout=120)
+        started = subprocess.run(
+            head, env=env, cwd=root, capture_output=True, text=True, timeout=120
+        )
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         watcher = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "nodes_watch.py"), fake.address, str(fake.watch)],
-            env=fake.env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=fake.env(), cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         yield fake
     finally:
@@ -119,15 +118,46 @@ def cluster(
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def autoscaler_scenario(root: Path, shell: dict[str, str]) -> dict[str, Any]:
+    """Everything the tests below look at, run once, in order, in the background beside
+    the rest of the suite (conftest.background): each step's console, the cluster's
+    record of its nodes, and how long the idle nodes took to go. ``shell``: the
+    environment a user's shell would have, taken when the suite started it."""
+    with fake_cluster(root, shell) as cluster:
+        out: dict[str, Any] = {"cluster": cluster, **in_order(cluster)}
+        out["idle_wait_s"] = wait_for_idle(cluster)
+    return out
+
+
+def wait_for_idle(cluster: FakeCluster, timeout: float = 180) -> float:
+    """Seconds until the head is alone again, or ``timeout``."""
+    start = time.time()
+    while time.time() < start + timeout:
+        _, nodes = cluster.history()[-1]
+        if all(cpus == 0 for cpus in nodes.values()):
+            break
+        time.sleep(2)
+    return time.time() - start
+
+
+@pytest.fixture(scope="module")
+def scenario(background: dict) -> dict[str, Any]:
+    return dict(background["autoscaler"].result(timeout=1800))
+
+
+@pytest.fixture(scope="module")
+def cluster(scenario: dict) -> FakeCluster:
+    return scenario["cluster"]  # type: ignore[no-any-return]
+
+
 def finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"{what}:\n{out[-4000:]}"
     return str(out)
 
 
-@pytest.fixture(scope="module")
-def scenario(cluster: FakeCluster) -> dict[str, str]:
-    """Everything the tests below look at, run once, in order; each step's console."""
+def in_order(cluster: FakeCluster) -> dict[str, str]:
+    """The checks, the submitted run and the elastic run, in order; each one's console."""
     bucket = f"s3://runs/{cluster.root.name}"
     common = [f"storage={bucket}", "train.early_stopping=null", *HELD]
     out: dict[str, str] = {}
@@ -149,13 +179,15 @@ def scenario(cluster: FakeCluster) -> dict[str, str]:
         ),
         "raylift submit",
     )  # fmt: skip
-    out["elastic"], out["grew_at"] = elastic_run(cluster, common)
+    out.update(elastic_run(cluster, common))
     out["idle_since"] = str(time.time())
     return out
 
 
-# The digits task whose every batch waits 0.5 s while a hold file exists: the elastic run
-# cannot finish before its third node comes, however fast this machine trains.
+# The digits task whose every batch waits 0.5 s while a hold file exists: held, the elastic
+# run's 70 steps take at least 105 s on 2 workers (3 batches a step) and 70 s on 3, time
+# for the cluster to grow and shrink under it; once the hold is lifted the rest runs at
+# full speed.
 HELD = ["task=tests.elastic_run:HeldDigits", "task_args={hold_s: 0.5, width: 32, dropout: 0.1}"]
 
 
@@ -167,36 +199,75 @@ def set_node_cap(cluster: FakeCluster, cap: int) -> None:
     (cluster.root / "fake.yaml").write_text(yaml.safe_dump(config))
 
 
-def elastic_run(cluster: FakeCluster, common: list[str]) -> tuple[str, str]:
+def reclaim_a_node(cluster: FakeCluster) -> str:
+    """The cloud takes a worker node back (a spot reclaim): the newest node's raylet gets
+    SIGTERM, as a VM's shutdown sends it, and takes its workers with it. Its id."""
+    import psutil
+
+    _, nodes = cluster.history()[-1]
+    node = [n for n, cpus in nodes.items() if cpus > 0][-1]
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["name"] == "raylet" and f"--node_id={node}" in cmdline:
+            proc.terminate()
+            return node
+    raise AssertionError(f"no raylet of node {node}")
+
+
+def elastic_run(cluster: FakeCluster, common: list[str]) -> dict[str, str]:
     """``num_workers: [1, 3]`` (its shards ready) while the cloud has room for 2 nodes: it
-    starts on what is there; then room for a third appears, the autoscaler launches it,
-    and the run grows to 3 from its checkpoint. Its batches wait while the hold file
-    exists, until the run has grown; then the rest runs at full speed."""
+    starts on what is there. Room for a third appears; the autoscaler launches it and the
+    run grows to 3 from its checkpoint. Then the room goes again and a node is reclaimed:
+    the run goes on with 2. Its batches wait while the hold file exists, until it has
+    shrunk; then the rest runs at full speed. What it printed, and when each came."""
     set_node_cap(cluster, 2)
     cluster.hold.touch()
     proc = cluster.raylift(
         "train", str(QUICKSTART), "name=elastic", *common, f"task_args.hold={cluster.hold}",
+        # A try at placing the workers waits 10 s, not a minute: after the reclaim, the
+        # first restart may still count the lost node.
         "scaling.num_workers=[1,3]", "scaling.resize_interval_s=5", "train.grad_accum=2",
-        "train.max_failures=5", "train.max_epochs=4", "checkpoint.every_n_steps=5",
+        "scaling.placement_timeout_s=10",
+        "train.max_failures=5", "train.max_epochs=10", "checkpoint.every_n_steps=5",
         "train.log_every_n_steps=5",
     )  # fmt: skip
     lines: list[str] = []
-    grew_at = ""
+    seen: dict[str, str] = {}
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
-            if line.startswith("epoch ") and cluster.hold.exists() and not grew_at:
-                set_node_cap(cluster, 3)  # training, on at most 2 nodes: room for one more
-            if re.search(r"-> 3 workers", line) and not grew_at:
-                grew_at = str(time.time())
-                cluster.hold.unlink()
+            step(cluster, line, seen)
         proc.wait(timeout=600)
     finally:
         cluster.hold.unlink(missing_ok=True)
         set_node_cap(cluster, 3)
     out = "".join(lines)
     assert proc.returncode == 0, f"the elastic run:\n{out[-4000:]}"
-    return out, grew_at
+    return {"elastic": out, **seen}
+
+
+def step(cluster: FakeCluster, line: str, seen: dict[str, str]) -> None:
+    """The cloud's side of the elastic run, driven by what the run prints. Lines of
+    workers that stopped may still arrive after a restart's first ones: a line counts as
+    the grown run's by its step."""
+    at = re.search(r"\bstep\s+(\d+)", line)
+    grown = re.search(r"at step (\d+) .*-> 3 workers", line)
+    progress = re.match(r"epoch\s+\d+\s+step\s+(\d+)/", line)
+    if progress and int(progress.group(1)) >= 5 and "capped" not in seen:
+        # Trained and saved on at most 2 nodes (a group that grows before its first
+        # checkpoint starts afresh, and says nothing): room for one more.
+        set_node_cap(cluster, 3)
+        seen["capped"] = str(time.time())
+    elif grown and "grew_at" not in seen:
+        seen["grew_at"], seen["grew_step"] = str(time.time()), grown.group(1)
+    elif line.startswith("epoch ") and at and "grew_at" in seen and "reclaimed" not in seen:
+        if int(at.group(1)) >= int(seen["grew_step"]) + 10:  # trained and saved at 3
+            set_node_cap(cluster, 2)  # the room goes, and a node with it
+            seen["reclaimed"] = reclaim_a_node(cluster)
+            seen["reclaimed_at"] = str(time.time())
+    elif re.search(r"-> 2 workers", line) and "reclaimed" in seen:
+        seen.setdefault("shrank_at", str(time.time()))
+        cluster.hold.unlink(missing_ok=True)
 
 
 def quiet(out: str) -> list[str]:
@@ -228,15 +299,16 @@ def test_a_fixed_size_run_gets_its_workers_on_nodes_the_autoscaler_starts(
     assert len(workers) >= 2, history[-1]  # the head has no CPU: these were launched
 
 
-def test_an_elastic_run_grows_onto_the_node_the_autoscaler_brings(
+def test_an_elastic_run_grows_when_a_node_comes_and_shrinks_when_one_goes(
     cluster: FakeCluster, scenario: dict
 ) -> None:
     """It started on what there was room for (at most 2 nodes), grew to 3 workers from its
-    checkpoint when the third node came, kept its global batch, and trained every step."""
+    checkpoint when the autoscaler brought a third node, went on with 2 when a node was
+    reclaimed, kept its global batch throughout, and trained every step."""
     out = scenario["elastic"]
     assert not quiet(out), quiet(out)
-    assert scenario["grew_at"], out[-3000:]
-    assert "finished" in out and "at step 28" in out, out[-3000:]  # 4 epochs of 7 steps
+    assert scenario.get("shrank_at"), out[-3000:]
+    assert "finished" in out and "at step 70" in out, out[-3000:]  # 10 epochs of 7 steps
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{cluster.root / 'mlflow.db'}")
@@ -244,14 +316,26 @@ def test_an_elastic_run_grows_onto_the_node_the_autoscaler_brings(
     (run,) = client.search_runs([exp.experiment_id], "tags.`mlflow.runName` = 'elastic'")
     sizes = [int(m.value) for m in client.get_metric_history(run.info.run_id, "world_size")]
     batches = {m.value for m in client.get_metric_history(run.info.run_id, "global_batch")}
-    assert sizes[0] <= 2 and sizes[-1] == 3 and sizes == sorted(sizes), sizes
+    changes = [w for i, w in enumerate(sizes) if i == 0 or sizes[i - 1] != w]
+    assert changes[0] <= 2 and changes[-2:] == [3, 2], sizes  # grew to 3, then back to 2
+    assert changes[:-1] == sorted(changes[:-1]), sizes
     assert batches == {192.0}, batches  # 32 x 3 accumulated on 2 workers, 32 x 2 on 3
-    grew = re.findall(r"resumed from (\S+) .*; (\d) -> (\d) workers", out)
+    resizes = re.findall(r"resumed from (\S+) .*; (\d) -> (\d) workers", out)
     start = cluster.history()[0][0]
-    print(f"elastic world sizes in order {sizes}; resizes {grew}; "
-          f"grew to 3 {float(scenario['grew_at']) - start:.0f} s after the head")  # fmt: skip
-    # One resize, said once: the fake nodes share a logs folder and each forwards it.
-    assert len(grew) == 1 and grew[0][0].startswith("s3://runs/"), grew
+    after = {
+        k: f"{float(scenario[k]) - start:.0f} s" for k in ("grew_at", "reclaimed_at", "shrank_at")
+    }
+    print(f"elastic world sizes in order {sizes}; resizes {resizes}; after the head: {after}")
+    # Each resize said once (the fake nodes share a logs folder and each forwards it), and
+    # the reclaimed node's loss is one line that names where the run goes on from.
+    assert [r[2] for r in resizes][-2:] == ["3", "2"], resizes
+    assert [r[2] for r in resizes].count("3") == 1, resizes
+    assert all(r[0].startswith("s3://runs/") for r in resizes), resizes
+    (fault,) = [line for line in out.splitlines() if " failed: " in line]
+    assert (
+        fault.startswith("raylift: worker rank ")
+        and "restarting the workers from s3://runs/" in fault
+    ), fault
 
 
 def test_submit_trains_through_the_jobs_api_with_s3_and_the_drivers_store(
@@ -270,16 +354,13 @@ def test_submit_trains_through_the_jobs_api_with_s3_and_the_drivers_store(
     assert run.info.status == "FINISHED"
     assert client.get_metric_history(run.info.run_id, "train_loss"), "rank 0's metrics"
     assert "raylift: checkpoint s3://runs/" in out
+    # Its model beside the store, not in Ray's copy of the job's folder, deleted after it.
+    assert run.info.artifact_uri.startswith((db.parent / "mlruns").as_uri()), run.info
+    assert client.list_artifacts(run.info.run_id), "the run's artifacts"
 
 
 def test_the_idle_nodes_go_after_the_runs(cluster: FakeCluster, scenario: dict) -> None:
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        _, nodes = cluster.history()[-1]
-        if all(cpus == 0 for cpus in nodes.values()):
-            break
-        time.sleep(2)
-    history = cluster.history()
+    history = cluster.history()  # to when the head was alone again (or 3 minutes on)
     first_seen: dict[str, float] = {}
     last_seen: dict[str, float] = {}
     for t, nodes in history:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import ipaddress
 import json
-import os
 import re
 import subprocess
 import sys
@@ -29,8 +28,8 @@ OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at 
 RAY_PROCESSES = ("gcs_server", "raylet", "ray::")
 
 
-def own_ray_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+def own_ray_env(shell: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in shell.items() if not k.startswith("RAY_ADDRESS")}
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -170,18 +169,19 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
     assert out.count("model logged to MLflow") == 1
 
 
-def side_by_side(tmp_path: Path) -> dict[str, Any]:
-    """The sweep (an ASHA sweep of distributed trials) and the run, started together; what
-    they printed and what the run's process tree listened on."""
+def side_by_side(tmp_path: Path, shell: dict[str, str]) -> dict[str, Any]:
+    """The sweep (an ASHA sweep of distributed trials) and the run, started together from
+    a user's ``shell``, in the background beside the rest of the suite (conftest.background);
+    what they printed and what the run's process tree listened on."""
     sweep = subprocess.Popen(
         command(tmp_path, "tune", asha_config(tmp_path), "side-sweep", *ASHA),
-        cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=tmp_path, env=own_ray_env(shell), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
     time.sleep(2)  # the two start up side by side
     run = subprocess.Popen(
         command(tmp_path, "train", "quickstart.yaml", "side-run"),
-        cwd=tmp_path, env=own_ray_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=tmp_path, env=own_ray_env(shell), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
     try:
@@ -196,9 +196,8 @@ def side_by_side(tmp_path: Path) -> dict[str, Any]:
             "jobs": jobs, "tmp": tmp_path}  # fmt: skip
 
 
-def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(own_rays: dict) -> None:
-    """Run beside the autoscaler test (conftest.own_rays)."""
-    got = own_rays["own_ray"].result(timeout=900)
+def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(background: dict) -> None:
+    got = background["own_ray"].result(timeout=1800)
     run, out, err, sweep, swept = (got[k] for k in ("run", "out", "err", "sweep", "swept"))
     seen, jobs, tmp_path = got["seen"], got["jobs"], got["tmp"]
     assert run.returncode == 0, out[-3000:] + err[-3000:]

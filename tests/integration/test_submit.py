@@ -29,8 +29,7 @@ def head(ray_jobs: str) -> tuple[str, dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One storage and MLflow store for the module's jobs: the first job prepares the
-    shards, the others reuse them, as a user's later runs do."""
+    """One storage and MLflow store for the module's jobs."""
     return tmp_path_factory.mktemp("jobs")
 
 
@@ -59,50 +58,60 @@ def mlflow_run_names(tmp: Path) -> list[str]:
     return [r.data.tags["mlflow.runName"] for r in runs if r.info.status == "FINISHED"]
 
 
-def test_raylift_submit_runs_the_quickstart_as_a_ray_job(
-    head: tuple[str, dict[str, str]], project: Path, tmp_path: Path
-) -> None:
+def commands(address: str, project: Path, tmp: Path) -> dict[str, list[str]]:
+    """Each test's command, from a user's project folder of its own."""
+    raylift = [RAYLIFT, "submit", "configs/quickstart.yaml", "--address", address]
+    plain = [RAY, "job", "submit", "--address", address, "--working-dir", ".", "--"]
+    plain += ["raylift", "train", "configs/quickstart.yaml", *overrides(project, "plain")]
+    bad = [f"data.shards={tmp / 'nowhere'}"]  # a shard folder that is not there
+    return {
+        "raylift": [*raylift, "train", *overrides(project, "submitted")],
+        "plain": plain,
+        "failing": [*raylift, *overrides(project, "missing"), *bad],
+        "no-wait": [*raylift, *overrides(project, "queued"), *bad, "--no-wait"],
+    }
+
+
+@pytest.fixture(scope="module")
+def jobs(
+    head: tuple[str, dict[str, str]], project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The four submissions, made at once as a team's would be: the two that train share
+    the session's 4 CPUs and one storage (the shards are prepared once, whole)."""
     address, env = head
-    folder = job_folder(tmp_path)
-    cmd = [RAYLIFT, "submit", "configs/quickstart.yaml", "--address", address, "train"]
-    done = subprocess.run(
-        [*cmd, *overrides(project, "submitted")],
-        cwd=folder,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    started = {}
+    for name, cmd in commands(address, project, tmp_path_factory.mktemp("bad")).items():
+        folder = job_folder(tmp_path_factory.mktemp(f"job-{name}"))
+        # Each its own package: Ray skips uploading one it already holds, and may delete
+        # that one as the job that uploaded it ends (ray-project/ray#46625).
+        (folder / "job.txt").write_text(name)
+        started[name] = (cmd, subprocess.Popen(
+            cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ))  # fmt: skip
+    done = {}
+    for name, (cmd, proc) in started.items():
+        out, err = proc.communicate(timeout=600)
+        done[name] = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return done
+
+
+def test_raylift_submit_runs_the_quickstart_as_a_ray_job(jobs: dict, project: Path) -> None:
+    done = jobs["raylift"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "raylift-train-submitted-" in done.stdout and "SUCCEEDED" in done.stdout
     assert "finished in" in done.stdout  # the job's own log, followed to the end
     assert "submitted" in mlflow_run_names(project)
 
 
-def test_plain_ray_job_submit_runs_raylift_train(
-    head: tuple[str, dict[str, str]], project: Path, tmp_path: Path
-) -> None:
-    address, env = head
-    folder = job_folder(tmp_path)
-    cmd = [RAY, "job", "submit", "--address", address, "--working-dir", ".", "--"]
-    cmd += ["raylift", "train", "configs/quickstart.yaml", *overrides(project, "plain")]
-    done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+def test_plain_ray_job_submit_runs_raylift_train(jobs: dict, project: Path) -> None:
+    done = jobs["plain"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "succeeded" in (done.stdout + done.stderr).lower()
     assert "plain" in mlflow_run_names(project)
 
 
-def test_submit_with_no_wait_returns_the_job_id_and_a_failing_job_fails(
-    head: tuple[str, dict[str, str]], project: Path, tmp_path: Path
-) -> None:
-    address, env = head
-    folder = job_folder(tmp_path)
-    bad = [*overrides(project, "missing"), f"data.shards={tmp_path / 'nowhere'}"]
-    cmd = [RAYLIFT, "submit", "configs/quickstart.yaml", "--address", address, *bad]
-    failed = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+def test_submit_with_no_wait_returns_the_job_id_and_a_failing_job_fails(jobs: dict) -> None:
+    failed, queued = jobs["failing"], jobs["no-wait"]
     assert failed.returncode == 1 and "FAILED" in failed.stdout, failed.stdout[-2000:]
-    queued = subprocess.run(
-        [*cmd, "--no-wait"], cwd=folder, env=env, capture_output=True, text=True, timeout=120
-    )
     assert queued.returncode == 0
-    assert queued.stdout.strip().splitlines()[-1].startswith("raylift-train-missing-")
+    assert queued.stdout.strip().splitlines()[-1].startswith("raylift-train-queued-")

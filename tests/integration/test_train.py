@@ -145,8 +145,8 @@ def test_ctrl_c_of_the_driver_then_rerun_resumes(ray_cluster: str, in_tmp: Path)
 
 @pytest.fixture(scope="module")
 def kill_storage(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One storage on the S3 server for the kill tests: every run shares the shards
-    prepared by the first."""
+    """One storage on the S3 server for the kill test: the killed run prepares the shards,
+    the runs after it reuse them."""
     return f"s3://runs/{tmp_path_factory.mktemp('kill-runs').name}"
 
 
@@ -170,22 +170,29 @@ def kill_overrides(storage: str, marker: Path) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(
-    ray_cluster: str, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, float]:
-    """The run without a kill, on DDP: in fp32 every strategy follows DDP's curve to ~1e-6
-    (test_strategies), so one reference serves them all."""
-    tmp = tmp_path_factory.mktemp("clean")
+def uninterrupted(tmp: Path, kill_storage: str) -> subprocess.Popen[str]:
+    """The run without a kill, on DDP (in fp32 every strategy follows DDP's curve to ~1e-6,
+    test_strategies), started beside the killed one: its own storage, as two runs preparing
+    the same shards in an object store at once would clear each other's."""
     (tmp / "killed").write_text("no kill")
-    extra = ["name=clean", f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]
-    overrides = [*kill_overrides(kill_storage, tmp / "killed"), *extra]
-    return train(load_config(REPO / "configs" / "gpt-tiny.yaml", overrides)).metrics
+    cmd = [sys.executable, "-m", "raylift.cli", "train", str(REPO / "configs" / "gpt-tiny.yaml"),
+           *kill_overrides(f"{kill_storage}-clean", tmp / "killed"), "name=clean",
+           f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]  # fmt: skip
+    return subprocess.Popen(
+        cmd, cwd=tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def val_loss_of(proc: subprocess.Popen[str], tmp: Path) -> float:
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-3000:]
+    _, run = mlflow_run(tmp, find_only_run(tmp))
+    return float(run.data.metrics["val_loss"])
 
 
 @pytest.mark.slow
 def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where_it_was(
-    ray_cluster: str, in_tmp: Path, kill_storage: str, uninterrupted: dict
+    ray_cluster: str, in_tmp: Path, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Storage on the S3 server. SIGKILL of rank 1 mid-run: one console line says so and
     Ray restarts the group from the newest checkpoint; the run ends where an uninterrupted
@@ -199,6 +206,8 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     killed = subprocess.Popen(
         cmd, cwd=in_tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    clean = tmp_path_factory.mktemp("clean")
+    reference = uninterrupted(clean, kill_storage)
     deadline = time.time() + 120
     while not storage.is_file(f"{run}/.raylift-lock") and time.time() < deadline:
         time.sleep(0.5)
@@ -220,7 +229,7 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     assert f"raylift: checkpoint {run}/checkpoint-step00000012" in out
     run_id = re.search(r"MLflow run (\w+)", out).group(1)  # type: ignore[union-attr]
     client, mlrun = mlflow_run(in_tmp, run_id)
-    assert mlrun.data.metrics["val_loss"] == pytest.approx(uninterrupted["val_loss"], rel=0.02)
+    assert mlrun.data.metrics["val_loss"] == pytest.approx(val_loss_of(reference, clean), rel=0.02)
     assert history(client, run_id, "restarts") == {4: 1.0}
     # Killed at step 6, restarted from step 4: two steps redone, within one interval of 4.
     assert mlrun.data.tags["raylift.restart.1"].startswith("step 4 from checkpoint-step00000004")

@@ -21,7 +21,8 @@ LINTERS = {
     "mypy": ["mypy", "--cache-dir", str(CACHE / "mypy"), "src"],
 }
 # mypy takes half a minute where its cache is cold (a fresh clone's new venv): it starts
-# with the session (start_early, from conftest) and runs while the first tests wait on Ray.
+# with the background scenarios (start_early, from conftest.background), beside the first
+# tests on Ray.
 EARLY: dict[str, subprocess.Popen[str]] = {}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from collections.abc import Iterable, Mapping, Sequence
@@ -247,6 +248,13 @@ class TrackingConfig:
 
     def problems(self) -> list[str]:
         out = [] if self.experiment else ["tracking.experiment: must be a non-empty name"]
+        if self.uri and is_file_store(self.uri) and not file_store_allowed():
+            out.append(
+                f"tracking.uri: {self.uri} is an MLflow file store, which MLflow 3 refuses "
+                "(in maintenance mode); use sqlite:///PATH/mlflow.db (null: "
+                "sqlite:///<cwd>/mlflow.db) or a tracking server's http(s):// URI, or set "
+                "MLFLOW_ALLOW_FILE_STORE=true to keep it"
+            )
         if self.log_model not in LOG_MODEL:
             out.append(
                 f"tracking.log_model: {self.log_model!r} is not one of {LOG_MODEL}; 'final' "
@@ -260,6 +268,15 @@ class TrackingConfig:
                 "set log_model to final or best, or remove register_as"
             )
         return out
+
+
+def is_file_store(uri: str) -> bool:
+    """A tracking URI MLflow reads as a folder of files: ``file:`` or a bare path."""
+    return uri.startswith(("file:", "/", "./", "../", "~"))
+
+
+def file_store_allowed() -> bool:
+    return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
 
 
 @dataclasses.dataclass

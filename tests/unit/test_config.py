@@ -84,6 +84,8 @@ def test_every_problem_is_reported_at_once() -> None:
         ("task_args.nope=1", "task_args.nope", "takes no argument"),
         ("strategy.cpu_offload=true", "strategy.cpu_offload", "applies to fsdp, not to 'ddp'"),
         ("train.early_stopping.mode=up", "train.early_stopping.mode", "'min' or 'max'"),
+        ("tracking.uri=file:///tmp/mlruns", "tracking.uri", "use sqlite:///PATH/mlflow.db"),
+        ("tracking.uri=./mlruns", "tracking.uri", "MLFLOW_ALLOW_FILE_STORE=true"),
     ],
 )
 def test_each_bad_value_names_key_and_fix(override: str, key: str, fix: str) -> None:
@@ -141,3 +143,11 @@ def test_a_run_folder_records_the_config_it_ran_with(tmp_path: Path) -> None:
         assert got.storage == str(Path.cwd() / "runs")  # ./runs, resolved where it ran
     with pytest.raises(ConfigError, match="or a run folder"):
         load_config(tmp_path / "runs")
+
+
+def test_a_file_store_is_taken_where_mlflow_is_told_to_allow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    cfg = load_config(QUICKSTART, ["tracking.uri=file:///tmp/mlruns"])
+    assert cfg.tracking.uri == "file:///tmp/mlruns"

@@ -346,7 +346,15 @@ class Store:
             source = json.dumps({"uri": d.source})
             found = Dataset(d.name, d.digest, d.source_type, source, profile=json.dumps(d.profile))
             inputs.append(DatasetInput(found, [InputTag("mlflow.data.context", d.context)]))
-        self.client.log_inputs(run_id, datasets=inputs)
+        try:
+            self.client.log_inputs(run_id, datasets=inputs)
+        except Exception as exc:  # the store's error type: sqlite's, a database's, a server's
+            # MLflow looks a dataset up, then inserts it: two runs that log the same shards
+            # at once (a sweep's trials, a team's jobs) collide on the second insert. The
+            # winner's row is there now, and the retry links it.
+            if "unique constraint" not in str(exc).lower():
+                raise
+            self.client.log_inputs(run_id, datasets=inputs)
 
     def metric_since(self, run_id: str, key: str, since_s: float) -> float | None:
         return metric_since(self.uri, run_id, key, since_s)

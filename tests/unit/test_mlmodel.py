@@ -144,3 +144,34 @@ def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
     client.log_artifact(run_id, str(job / "note.txt"))
     assert (home / "mlruns" / "raylift" / run_id / "artifacts" / "note.txt").is_file()
     assert not (job / "mlruns").exists()
+
+
+def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) -> None:
+    """MLflow looks a dataset up, then inserts it: of two runs logging the same shards at
+    once, the second insert fails on the store's unique constraint (seen with two jobs on
+    one sqlite store). Here the other run wins between this run's look-up and its insert;
+    the retry links the winner's row."""
+    from mlflow.exceptions import MlflowException
+
+    from raylift.tracking import DatasetRecord, Store
+
+    store = Store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = store.client.create_experiment("raylift")
+    ours, theirs = (store.client.create_run(exp).info.run_id for _ in range(2))
+    shards = [DatasetRecord("digits-1", "abc", str(tmp_path), "local", "training", {"rows": 3})]
+    real = store.client.log_inputs
+    calls: list[str] = []
+
+    def collide(run_id: str, datasets: list) -> None:
+        calls.append(run_id)
+        if len(calls) == 1:
+            real(theirs, datasets=datasets)  # the other run's insert lands first
+            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets")
+        real(run_id, datasets=datasets)
+
+    store.client.log_inputs = collide
+    store.log_datasets(ours, shards)
+    assert calls == [ours, ours]
+    for run_id in (ours, theirs):
+        (got,) = store.client.get_run(run_id).inputs.dataset_inputs
+        assert got.dataset.name == "digits-1" and got.dataset.digest == "abc"

@@ -200,8 +200,9 @@ def set_node_cap(cluster: FakeCluster, cap: int) -> None:
 
 
 def reclaim_a_node(cluster: FakeCluster) -> str:
-    """The cloud takes a worker node back (a spot reclaim): the newest node's raylet gets
-    SIGTERM, as a VM's shutdown sends it, and takes its workers with it. Its id."""
+    """The cloud takes a worker node back (a spot reclaim): the raylet of the last worker
+    node the cluster lists gets SIGTERM, as a VM's shutdown sends it, and takes its
+    workers with it. Its id."""
     import psutil
 
     _, nodes = cluster.history()[-1]

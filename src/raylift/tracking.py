@@ -152,12 +152,12 @@ def one_at_a_time(uri: str) -> Iterator[None]:
     once (two commands started together, a driver and its tracking actor) collide and
     one fails; so would two creating the same experiment. Re-entrant within a process;
     servers need no lock."""
-    if not uri.startswith("sqlite:///"):
+    db = sqlite_file(uri)
+    if db is None:
         yield
         return
     import fcntl
 
-    db = uri.removeprefix("sqlite:///")
     with _HELD:
         if _DEPTH.get(db):
             _DEPTH[db] += 1
@@ -220,9 +220,15 @@ def artifact_location(uri: str) -> str | None:
     """Where a new experiment of a sqlite store keeps its artifacts: ``mlruns`` beside the
     file. MLflow's default is ``./mlruns`` of whichever process creates the experiment;
     for a submitted job that is Ray's copy of the shipped folder, deleted after the job."""
-    if not uri.startswith("sqlite:///"):
+    db = sqlite_file(uri)
+    if db is None:
         return None  # a server's or a database's own artifact root
-    return (Path(uri[len("sqlite:///") :]).parent / "mlruns").as_uri()
+    return (Path(db).parent / "mlruns").as_uri()
+
+
+def sqlite_file(uri: str) -> str | None:
+    """The database file a ``sqlite:///`` store URI names, else None."""
+    return uri.removeprefix("sqlite:///") if uri.startswith("sqlite:///") else None
 
 
 def experiment_id(mlflow: Any, name: str, artifacts: str | None = None) -> str:

@@ -359,6 +359,8 @@ def _train(
         f"({'resuming from its latest checkpoint' if resume else 'new run'})"
     )
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
+    if service is None and (problem := tracking.server_problem(uri)):
+        raise EnvironmentProblem(problem)
     manifest, cache = prepare_data(cfg, log, startup)
     # Workers run in folders of their own: they get the storage this driver resolved.
     cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where)

@@ -52,6 +52,28 @@ def tracking_uri(cfg: Config) -> str:
     return cfg.tracking.uri or default_uri()
 
 
+def server_problem(uri: str, timeout_s: float = 5.0) -> str | None:
+    """For a tracking server (``http(s)://``): None when something listens at its address,
+    else the problem with its fix. MLflow itself retries an unreachable server for about
+    four minutes, then raises; this takes a connect, before any data or worker."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        return (
+            f"tracking.uri: nothing answers at {uri} ({why}); start the MLflow server, "
+            "correct the URI, or leave tracking.uri empty for a local store"
+        )
+    return None
+
+
 def redact(params: Mapping[str, Any]) -> dict[str, Any]:
     """Values of keys that look like credentials never reach MLflow or the console."""
     return {

@@ -25,7 +25,15 @@ from typing import Any
 import yaml
 
 from raylift import tracking
-from raylift.config import Config, ConfigError, config_from_dict, merge, nest, parse_overrides
+from raylift.config import (
+    Config,
+    ConfigError,
+    EnvironmentProblem,
+    config_from_dict,
+    merge,
+    nest,
+    parse_overrides,
+)
 from raylift.storage import join, local_path, resolve
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
@@ -241,6 +249,8 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
     from raylift.launch import connect_ray, tracking_for_run
 
     spec = parse_sweep(cfg)
+    if problem := tracking.server_problem(tracking.tracking_uri(cfg)):
+        raise EnvironmentProblem(problem)
     with runlock.hold(storage.join(resolve(cfg.storage), cfg.name), f"sweep {cfg.name!r}", log):
         connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
         with tracking_for_run(tracking.tracking_uri(cfg)) as (_, service):

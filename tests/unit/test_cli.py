@@ -10,6 +10,7 @@ import yaml
 from raylift.cli import main
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+SWEEP = str(Path(__file__).resolve().parents[2] / "configs" / "sweep-digits.yaml")
 
 
 def test_validate_prints_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,3 +48,28 @@ def test_train_with_bad_config_exits_2_before_starting_ray(
 def test_doctor_needs_at_least_two_steps_per_window(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", QUICKSTART, "--steps", "1"]) == 2
     assert "--steps must be >= 2" in capsys.readouterr().err
+
+
+def test_an_unreachable_tracking_server_exits_2_at_once_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow alone would retry for minutes and then print its traceback."""
+    import socket
+
+    from raylift import tracking
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        assert tracking.server_problem(f"http://127.0.0.1:{port}") is None
+    # Closed now: nothing listens at that port.
+    monkeypatch.chdir(tmp_path)
+    uri = f"http://127.0.0.1:{port}"
+    for verb, config in (("train", QUICKSTART), ("tune", SWEEP)):
+        assert main([verb, config, f"tracking.uri={uri}", "storage=./runs"]) == 2
+        err = capsys.readouterr().err
+        assert f"tracking.uri: nothing answers at {uri} (Connection refused)" in err, err
+        assert "start the MLflow server" in err and "Traceback" not in err
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no shards, no run, no lock
+    assert tracking.server_problem("sqlite:///x.db") is None  # a file, checked elsewhere

@@ -426,24 +426,31 @@ def log_run_model(
 def tracking_for_run(uri: str, service: Any = None) -> Iterator[tuple[Any, Any]]:
     """(the store this process writes through, the tracking actor the workers write to).
 
-    The driver uses the store itself and starts the actor on its own node (stopped after
-    the run); a sweep's trial, which may run on any node, is handed the sweep's actor and
-    goes through it too."""
+    The driver starts the actor on its own node (stopped after the run) and writes through
+    it too: MLflow is imported once per run, in the actor, not also in the driver. A
+    sweep's trial, which may run on any node, is handed the sweep's actor. A driver that
+    has imported MLflow already (a notebook, a program calling :func:`train`) writes
+    itself rather than wait for the actor's start; so does one on a Ray Client
+    (``ray://``) connection, which is not on the actor's node (the model it logs is a
+    folder on its own disk)."""
     if service is not None:
         yield tracking.RemoteStore(service), service
         return
     import ray
 
-    if tracking.is_local_store(uri) and ray.util.client.ray.is_connected():
+    client = ray.util.client.ray.is_connected()
+    if tracking.is_local_store(uri) and client:
         raise EnvironmentProblem(
             f"tracking.uri: {uri} is a file on this machine, which the cluster's nodes "
             "cannot write to through a Ray Client (ray://) connection; set tracking.uri "
             "to an MLflow server (http://...), or run on the cluster with raylift submit"
         )
     service = tracking.start_service(uri)
-    service.warm.remote()  # MLflow imported while Ray Train starts the workers
+    own = client or "mlflow" in sys.modules
+    if own:
+        service.warm.remote()  # MLflow imported there while Ray Train starts the workers
     try:
-        yield tracking.Store(uri), service
+        yield (tracking.Store(uri) if own else tracking.RemoteStore(service)), service
     finally:
         ray.kill(service)
 

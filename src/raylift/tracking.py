@@ -3,12 +3,12 @@
 A rerun of the same ``name`` in the same ``storage`` continues the same MLflow
 run: the run carries a ``raylift.run_key`` tag made of both.
 
-Only the driver's node talks to the tracking store. The driver does in its own process;
-rank 0 of the workers and a sweep's trials, which run wherever Ray places them, hand
-their writes to the tracking actor (:func:`start_service`), a :class:`Store` that runs
-on the driver's node and owns the MLflow client there. So the default store, a sqlite
-file beside the driver, works when rank 0 lands on another node, and the workers never
-import MLflow.
+Only the driver's node talks to the tracking store, through the tracking actor
+(:func:`start_service`): a :class:`Store` that runs on the driver's node and owns the
+MLflow client there. The driver, rank 0 of the workers and a sweep's trials, which run
+wherever Ray places them, hand it their writes. So the default store, a sqlite file
+beside the driver, works when rank 0 lands on another node, and MLflow is imported once
+per run, by the actor: neither the workers nor the driver import it.
 """
 
 from __future__ import annotations
@@ -290,8 +290,9 @@ class DatasetRecord:
 
 
 class Store:
-    """What raylift asks of one tracking store. The driver uses one in its own process; as
-    the tracking actor on the driver's node it serves the workers and trials."""
+    """What raylift asks of one tracking store. As the tracking actor on the driver's node
+    it serves the driver, the workers and a sweep's trials; a sweep's driver and a driver
+    on a Ray Client connection use one in their own process."""
 
     def __init__(self, uri: str):
         self.uri = uri

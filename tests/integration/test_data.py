@@ -25,6 +25,7 @@ from raylift.data.shards import (
     prep,
 )
 from raylift.launch import train
+from raylift.precision import DeviceFacts, choose
 from raylift.tasks import build_task
 
 pytestmark = pytest.mark.integration
@@ -148,25 +149,46 @@ def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
     assert waited < 5 + 90, waited  # the bound plus start-up: not an endless retry
 
 
-def test_train_from_prepared_shards_cached_in_the_object_store(
+def test_quickstart_trains_from_cached_shards_and_logs_one_mlflow_run(
     digits_shards: Path, in_tmp: Path
 ) -> None:
+    """The quickstart for 3 epochs from prepared shards held in Ray's object store: what
+    its one MLflow run holds (a single run shared by the start-up it costs)."""
     from mlflow.tracking import MlflowClient
 
     cfg = load_config(
         QUICKSTART,
         [
-            "name=fromshards",
+            "name=qs",
             f"data.shards={os.path.relpath(digits_shards)}",  # relative: workers run elsewhere
             "data.cache=true",
             "train.max_epochs=3",
+            "storage=./runs",
         ],
     )
     result = train(cfg)
     assert result.metrics["val_acc"] > 0.85
+    assert Path(result.checkpoint or "").name == "checkpoint-step00000066"
     client = MlflowClient(tracking_uri=f"sqlite:///{in_tmp / 'mlflow.db'}")
-    waits = [m.value for m in client.get_metric_history(result.run_id, "data_wait_frac")]
-    assert waits and all(0.0 <= w <= 1.0 for w in waits)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["raylift.strategy"] == "ddp"
+    # precision: auto, resolved for a CPU worker of this host and recorded as resolved
+    assert run.data.tags["raylift.precision"] == choose(DeviceFacts.here(use_gpu=False))[0]
+    assert run.data.tags["raylift.world_size"] == "2"
+    assert run.data.tags["raylift.final_checkpoint"] == result.checkpoint
+    assert run.data.params["optim.lr"] == "0.003"
+
+    def history(key: str) -> dict[int, float]:
+        return {m.step: m.value for m in client.get_metric_history(result.run_id, key)}
+
+    timing = ("step_forward_frac", "step_backward_frac", "step_optimizer_frac", "step_h2d_frac")
+    measures = ("mfu", "mem_rss_bytes", "step_time_s", "data_wait_frac", "step_sync_frac")
+    for key in ("train_loss", "val_loss", "val_acc", "samples_per_s", "lr", *timing, *measures):
+        assert history(key), key
+    assert max(history("val_acc")) == 66  # global step as MLflow step
+    assert all(0.0 <= w <= 1.0 for w in history("data_wait_frac").values())
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # not one per worker
 
 
 def test_object_store_cache_reads_the_same_rows_as_the_files(digits_shards: Path) -> None:

@@ -339,6 +339,8 @@ def test_submit_trains_through_the_jobs_api_with_s3_and_the_drivers_store(
 ) -> None:
     out = scenario["submit"]
     assert "SUCCEEDED" in out, out[-3000:]
+    assert "raylift-train-submitted-" in out  # the submission id names the verb and run
+    assert "finished in" in out  # the job's own log, followed to the end
     found = re.search(r"MLflow tracking at sqlite:///(\S+) ", out)
     assert found, out[-3000:]
     db = Path(found.group(1))  # on the head's disk: the job's driver runs there

@@ -16,9 +16,13 @@ import pytest
 from raylift import runlock, storage
 from raylift.cli import main as cli_main
 
-HOLD = """
+# The holders here never race: a short settle time keeps the tests from waiting on it.
+SETTLE_S = 0.2
+HOLD = f"""
 import sys, time
+from raylift import runlock
 from raylift.runlock import hold
+runlock.SETTLE_S = {SETTLE_S}
 with hold(sys.argv[1], "run 'x'", print):
     print("held", flush=True)
     time.sleep(600)
@@ -29,6 +33,11 @@ def holder(folder: str) -> subprocess.Popen[str]:
     proc = subprocess.Popen([sys.executable, "-c", HOLD, folder], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
+
+
+@pytest.fixture(autouse=True)
+def _short_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runlock, "SETTLE_S", SETTLE_S)
 
 
 @pytest.fixture(params=["local", "s3"])

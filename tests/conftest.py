@@ -23,16 +23,20 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-# The order: first what must run alone (the doctor's verdicts rest on timings a busy
-# machine would change); then the tests on the session's Ray, then those without Ray;
-# last the tests of what ran in the background (``background``: two scenarios that start
-# Rays of their own and spend much of their time waiting on nodes and start-ups), which
-# started with the first test after the alone ones.
+# Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup). Every test
+# on Ray is in the group "ray", which one worker runs in order: first what must run alone
+# (the doctor's verdicts rest on timings a busy machine would change: the other worker
+# waits for them, `alone_first`); then the tests on the session's Ray; last the tests of
+# what ran in the background (``background``: two scenarios that start Rays of their own
+# and spend much of their time waiting on nodes and start-ups), which started with the
+# first test after the alone ones. The other worker runs the unit tests meanwhile, and
+# both share what is left when one runs out.
 ALONE = ("test_doctor.py",)
 BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
 # On the session's Ray, the tests that spend most of their time waiting (on jobs, restarts,
 # a sweep's trials) go first, beside the background scenarios.
 WAITING = ("test_submit.py", "test_train.py", "test_tune.py")
+ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server", "background"}  # the group's fixtures
 
 
 def lane(item: pytest.Item) -> int:
@@ -44,19 +48,52 @@ def lane(item: pytest.Item) -> int:
     return 1 if "integration" in item.path.parts else 2
 
 
+def on_ray(item: pytest.Item) -> bool:
+    return lane(item) != 2 or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
+
+
 def order(item: pytest.Item) -> tuple[int, int]:
     name, at = item.path.name, lane(item)
     return at, WAITING.index(name) if at == 1 and name in WAITING else len(WAITING)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=order)  # stable: within a lane, as collected
+    for item in items:
+        if on_ray(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _alone_done_marker() -> Path:
+    """A file both workers name alike: the alone tests' worker writes it when they are done."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"solo-{os.getpid()}")
+    return Path(tempfile.gettempdir()) / f"raylift-tests-{run}-alone-done"
+
+
+@pytest.fixture(scope="session")
+def alone_first(request: pytest.FixtureRequest) -> None:
+    """On the unit tests' worker: wait until the alone tests are done (at most 15 minutes,
+    should their worker die)."""
+    import time
+
+    if not any(lane(item) == 0 for item in request.session.items):
+        return
+    marker, deadline = _alone_done_marker(), time.monotonic() + 900
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def _alone_module_done() -> Iterator[None]:
+    yield
+    _alone_done_marker().touch()  # also when they failed: the rest goes on
 
 
 SESSION: dict[str, str] = {}  # what the session's Ray was started with
@@ -66,6 +103,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.helpers import close_pools
 
     close_pools()  # the spawned ranks the unit tests shared
+    _alone_done_marker().unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
@@ -248,15 +286,10 @@ def background(
 ) -> dict[str, Future]:
     """The autoscaler test's fake cluster and the two commands that each start their own
     local Ray (test_own_ray), run in background threads from the first test after the
-    alone ones; their tests, last, wait for what they left. Only the selected ones start.
-    mypy (cold in a fresh venv) starts here too."""
+    alone ones; their tests, last, wait for what they left. Only the selected ones start."""
     from concurrent.futures import ThreadPoolExecutor
 
     session = request.session.items
-    if any(item.nodeid.endswith("test_clean[mypy]") for item in session):
-        from tests.unit.test_lint import start_early
-
-        start_early("mypy")
     selected = [name for name, module in BACKGROUND.items()
                 if any(item.path.name == module for item in session)]  # fmt: skip
     if not selected:
@@ -277,9 +310,15 @@ def background(
 
 
 @pytest.fixture(autouse=True)
-def _background_from_the_first_shared_test(request: pytest.FixtureRequest) -> None:
-    if lane(request.node) > 0:
+def _lanes(request: pytest.FixtureRequest) -> None:
+    item = request.node
+    if lane(item) == 0:
+        request.getfixturevalue("_alone_module_done")
+    elif on_ray(item):
+        _alone_done_marker().touch()  # no alone test selected, or they ran: say so
         request.getfixturevalue("background")
+    else:
+        request.getfixturevalue("alone_first")
 
 
 @pytest.fixture

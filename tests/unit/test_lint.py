@@ -20,10 +20,6 @@ LINTERS = {
     "ruff-format": ["ruff", "format", "--check", "src", "tests"],
     "mypy": ["mypy", "--cache-dir", str(CACHE / "mypy"), "src"],
 }
-# mypy takes half a minute where its cache is cold (a fresh clone's new venv): it starts
-# with the background scenarios (start_early, from conftest.background), beside the first
-# tests on Ray.
-EARLY: dict[str, subprocess.Popen[str]] = {}
 
 
 def start(name: str) -> subprocess.Popen[str] | None:
@@ -36,14 +32,9 @@ def start(name: str) -> subprocess.Popen[str] | None:
     )
 
 
-def start_early(name: str) -> None:
-    if (proc := start(name)) is not None:
-        EARLY[name] = proc
-
-
 @pytest.mark.parametrize("name", list(LINTERS))
 def test_clean(name: str) -> None:
-    proc = EARLY.pop(name, None) or start(name)
+    proc = start(name)
     if proc is None:
         pytest.skip(f"{LINTERS[name][0]} is not installed (pip install -e '.[dev]')")
     out, _ = proc.communicate(timeout=600)

@@ -99,6 +99,9 @@ class ListTracker:
     def close(self) -> None:
         pass
 
+    def restarts(self) -> int:
+        return int(max(self.series("restarts").values(), default=0))
+
     def series(self, key: str) -> dict[int, float]:
         return {step: m[key] for step, m in self.rows if key in m}
 

@@ -18,13 +18,16 @@ CRC-32): checking what was just written costs a few percent of writing it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
+import os
 import random
 import re
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,6 +325,45 @@ class LoopState:
     nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
 
 
+STAGING = "raylift-ckpt-"
+_swept = False
+
+
+@contextlib.contextmanager
+def staging() -> Iterator[Path]:
+    """A local folder a rank writes its part of a checkpoint to before the report, named
+    by its process. A worker that is killed mid-save (a SIGKILL, the OOM killer, a group
+    torn down on a failure) cannot remove its own, a copy of its weights; so the first
+    save of each process removes those of processes on this node that are gone."""
+    global _swept
+    if not _swept:
+        _swept = True
+        remove_orphans(Path(tempfile.gettempdir()))
+    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{os.getpid()}-") as tmp:
+        yield Path(tmp)
+
+
+def remove_orphans(root: Path) -> list[Path]:
+    """Remove the staging folders under ``root`` whose process has ended; the removed."""
+    gone = []
+    for folder in root.glob(f"{STAGING}*-*"):
+        pid = folder.name.removeprefix(STAGING).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Checkpointer:
     """Writes a worker's checkpoints through its reporter and reads them back."""
 
@@ -331,10 +373,10 @@ class Checkpointer:
 
     def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
         """Collective: every rank writes its part, then reports it (Ray merges the parts)."""
-        with tempfile.TemporaryDirectory(prefix="raylift-ckpt-") as tmp:
-            save_checkpoint(Path(tmp), self.engine, loop_state, self.ctx.rank)
+        with staging() as tmp:
+            save_checkpoint(tmp, self.engine, loop_state, self.ctx.rank)
             name = f"checkpoint-step{step:08d}"
-            self.ctx.reporter.report({**metrics, "step": float(step)}, Path(tmp), name)
+            self.ctx.reporter.report({**metrics, "step": float(step)}, tmp, name)
 
     def restore(self, directory: Path) -> dict[str, Any]:
         """Load the engine and this rank's RNG; the loop state saved with them."""

@@ -39,6 +39,10 @@ class Tracker(Protocol):
 
     def log_artifact(self, path: Path, folder: str) -> None: ...
 
+    def restarts(self) -> int:
+        """The highest restart number the run has logged (0: none)."""
+        ...
+
     def close(self) -> None:
         """Wait until everything logged is written."""
         ...
@@ -55,6 +59,9 @@ class NullTracker:
 
     def log_artifact(self, path: Path, folder: str) -> None:
         pass
+
+    def restarts(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

@@ -239,7 +239,9 @@ class Trainer:
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
-        self.state.restarts += 1
+        # Numbered by the run, not the checkpoint: two resumes from one checkpoint (a node
+        # lost before the resized group saved) are two restarts, each with its own tag.
+        self.state.restarts = max(self.state.restarts, self.ctx.tracker.restarts()) + 1
         self.checkpointer.record_restart(
             directory, self.state, saved.get("world_size", self.ctx.world_size)
         )

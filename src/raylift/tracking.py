@@ -127,6 +127,12 @@ def latest_metrics(uri: str, run_id: str, prefixes: tuple[str, ...]) -> dict[str
     return {k: float(v) for k, v in metrics.items() if k.startswith(prefixes)}
 
 
+def metric_max(uri: str, run_id: str, key: str) -> float | None:
+    """The largest value of ``key`` the run has logged, if any."""
+    history = client(uri).get_metric_history(run_id, key)
+    return max((float(m.value) for m in history), default=None)
+
+
 def run_key(cfg: Config, storage: str, name: str | None = None) -> str:
     """The tag that finds a run again; ``name`` picks another run under ``cfg``'s storage
     (a sweep's trial) instead of ``cfg.name``."""
@@ -391,6 +397,9 @@ class Store:
     def latest_metrics(self, run_id: str, prefixes: tuple[str, ...]) -> dict[str, float]:
         return latest_metrics(self.uri, run_id, prefixes)
 
+    def metric_max(self, run_id: str, key: str) -> float | None:
+        return metric_max(self.uri, run_id, key)
+
     def start_run(
         self,
         cfg: Config,
@@ -458,6 +467,13 @@ class ServiceTracker:
     def log_artifact(self, path: Path, folder: str) -> None:
         data = path.read_bytes()
         self._send(self.service.log_artifact.remote(self.run_id, path.name, data, folder))
+
+    def restarts(self) -> int:
+        import ray
+
+        self.close()  # what this rank logged before, counted too
+        most = ray.get(self.service.metric_max.remote(self.run_id, "restarts"))
+        return int(most or 0)
 
     def close(self) -> None:
         import ray

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from raylift import storage
-from raylift.checkpoint import CheckpointError, resume_point, verify_checkpoint
+from raylift.checkpoint import (
+    STAGING,
+    CheckpointError,
+    remove_orphans,
+    resume_point,
+    verify_checkpoint,
+)
 from raylift.config import ConfigError, load_config, merge
 from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
 
@@ -107,6 +114,22 @@ def test_a_cut_off_checkpoint_write_resumes_from_the_previous_complete_one(
     assert resumed.tags == {
         "raylift.restart.1": "step 10 from checkpoint-step00000010: 1 -> 1 workers"
     }
+
+
+def test_two_resumes_from_one_checkpoint_are_two_restarts(tmp_path: Path, pg: None) -> None:
+    """A node lost again before the resized group saved: the run resumes from the same
+    checkpoint twice. The run counts its restarts, not the checkpoint (which says 0)."""
+    _, reporter, _, _ = run(tmp_path / "first")
+    ckpt = next(c for c in reporter.checkpoints if c.name == "checkpoint-step00000010")
+    tracker = ListTracker()  # the one MLflow run both resumes log to
+    for n in (1, 2):
+        trainer = make_trainer(
+            make_config(**SMALL), 0, 1, LocalReporter(tmp_path / f"{n}"), tracker
+        )
+        trainer.restore(ckpt)
+        assert trainer.state.restarts == n
+    assert [m["restarts"] for _, m in tracker.rows if "restarts" in m] == [1.0, 2.0]
+    assert sorted(tracker.tags) == ["raylift.restart.1", "raylift.restart.2"]
 
 
 def test_no_complete_checkpoint_is_an_error_with_the_fix(tmp_path: Path, pg: None) -> None:
@@ -286,3 +309,22 @@ def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_resta
     )
     first = describe({1: ActorDiedError(DIED)}, 1, -1, None)
     assert first.endswith("from step 0 (no checkpoint was written yet) (restart 1, no limit)")
+
+
+def test_a_killed_workers_staged_checkpoint_is_removed_by_the_next_save(tmp_path: Path) -> None:
+    """A rank killed while it staged its part leaves a copy of its weights in the node's
+    temp folder; the next process to save on the node removes it, and only it."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    left = tmp_path / f"{STAGING}{dead}-abc123"
+    (left / "engine").mkdir(parents=True)
+    (left / "engine" / "model.pt").write_bytes(b"weights")
+    mine = tmp_path / f"{STAGING}{os.getpid()}-def456"  # a live process's, mid-save
+    mine.mkdir()
+    other = tmp_path / f"{STAGING}x9y8z7"  # not named by a process: not ours to judge
+    other.mkdir()
+    assert remove_orphans(tmp_path) == [left]
+    assert not left.exists() and mine.is_dir() and other.is_dir()

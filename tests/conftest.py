@@ -23,13 +23,15 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
-# Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup). Every test
-# on Ray is in the group "ray", which one worker runs in order: first what must run alone
-# (the doctor's verdicts rest on timings a busy machine would change: the other worker
-# waits for them, `alone_first`); then the tests on the session's Ray; last the tests of
-# what ran in the background (``background``: two scenarios that start Rays of their own
-# and spend much of their time waiting on nodes and start-ups), which started with the
-# first test after the alone ones. The other worker runs the unit tests meanwhile, and
+# Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup); each is a
+# session of its own, and starts its own local Ray if its tests need one. The tests on Ray
+# are in the group "ray", which one worker runs in order: first what must run alone (the
+# doctor's verdicts rest on timings a busy machine would change: the other worker waits
+# for them, `alone_first`); then the tests on the session's Ray; last the tests of what
+# ran in the background (``background``: two scenarios that start Rays of their own and
+# spend much of their time waiting on nodes and start-ups), which started with the first
+# test after the alone ones. The other worker runs the modules of ``OTHER_RAY`` (group
+# "ray2": each needs nothing the others leave) on a Ray of its own, then the unit tests;
 # both share what is left when one runs out.
 ALONE = ("test_doctor.py",)
 BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
@@ -37,6 +39,7 @@ BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
 # a sweep's trials) go first, beside the background scenarios.
 WAITING = ("test_submit.py", "test_train.py", "test_tune.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server", "background"}  # the group's fixtures
+OTHER_RAY = ("test_user_models.py", "test_mlflow_models.py")
 
 
 def lane(item: pytest.Item) -> int:
@@ -52,6 +55,13 @@ def on_ray(item: pytest.Item) -> bool:
     return lane(item) != 2 or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
 
 
+def group(item: pytest.Item) -> str | None:
+    """The item's xdist group: "ray", "ray2" (``OTHER_RAY``), or None (any worker)."""
+    if not on_ray(item):
+        return None
+    return "ray2" if lane(item) == 1 and item.path.name in OTHER_RAY else "ray"
+
+
 def order(item: pytest.Item) -> tuple[int, int]:
     name, at = item.path.name, lane(item)
     return at, WAITING.index(name) if at == 1 and name in WAITING else len(WAITING)
@@ -61,8 +71,8 @@ def order(item: pytest.Item) -> tuple[int, int]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=order)  # stable: within a lane, as collected
     for item in items:
-        if on_ray(item):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        if name := group(item):
+            item.add_marker(pytest.mark.xdist_group(name))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -314,7 +324,7 @@ def _lanes(request: pytest.FixtureRequest) -> None:
     item = request.node
     if lane(item) == 0:
         request.getfixturevalue("_alone_module_done")
-    elif on_ray(item):
+    elif group(item) == "ray":
         _alone_done_marker().touch()  # no alone test selected, or they ran: say so
         request.getfixturevalue("background")
     else:

@@ -27,12 +27,12 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # session of its own, and starts its own local Ray if its tests need one. The tests on Ray
 # are in the group "ray", which one worker runs in order: first what must run alone (the
 # doctor's verdicts rest on timings a busy machine would change: the other worker waits
-# for them, `alone_first`); then the tests on the session's Ray; last the tests of what
-# ran in the background (``background``: two scenarios that start Rays of their own and
-# spend much of their time waiting on nodes and start-ups), which started with the first
-# test after the alone ones. The other worker runs the modules of ``OTHER_RAY`` (group
-# "ray2": each needs nothing the others leave) on a Ray of its own, then the unit tests;
-# both share what is left when one runs out.
+# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the tests
+# of what ran in the background (``background``: two scenarios that start Rays of their
+# own and spend much of their time waiting on nodes and start-ups), which started with
+# the first test after the alone ones. The other worker runs the modules of ``OTHER_RAY``
+# (group "ray2": each needs nothing the others leave) on a Ray of its own, then the unit
+# tests; both share what is left when one runs out.
 ALONE = ("test_doctor.py",)
 BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
 # On the session's Ray, the tests that spend most of their time waiting (on jobs, restarts,
@@ -87,13 +87,19 @@ def _alone_done_marker() -> Path:
     return Path(tempfile.gettempdir()) / f"raylift-tests-{run}-alone-done"
 
 
-@pytest.fixture(scope="session")
-def alone_first(request: pytest.FixtureRequest) -> None:
-    """On the unit tests' worker: wait until the alone tests are done (at most 15 minutes,
+_WAITED: list[bool] = []
+
+
+@pytest.hookimpl(tryfirst=True)  # before the item's fixtures: a module's runs start there
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On the other worker: wait until the alone tests are done (at most 15 minutes,
     should their worker die)."""
     import time
 
-    if not any(lane(item) == 0 for item in request.session.items):
+    if _WAITED or lane(item) == 0 or group(item) == "ray":
+        return
+    _WAITED.append(True)
+    if not any(lane(other) == 0 for other in item.session.items):
         return
     marker, deadline = _alone_done_marker(), time.monotonic() + 900
     while not marker.exists() and time.monotonic() < deadline:
@@ -327,8 +333,6 @@ def _lanes(request: pytest.FixtureRequest) -> None:
     elif group(item) == "ray":
         _alone_done_marker().touch()  # no alone test selected, or they ran: say so
         request.getfixturevalue("background")
-    else:
-        request.getfixturevalue("alone_first")
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ Only the driver's node talks to the tracking store, through the tracking actor
 MLflow client there. The driver, rank 0 of the workers and a sweep's trials, which run
 wherever Ray places them, hand it their writes. So the default store, a sqlite file
 beside the driver, works when rank 0 lands on another node, and MLflow is imported once
-per run, by the actor: neither the workers nor the driver import it.
+per run, by the actor: the workers never import it, nor does ``raylift train``'s driver
+(one that has it already, or a Ray Client driver, keeps a client of its own).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import math
 import os
 import re
@@ -246,7 +247,7 @@ def placement_bounds(timeout_s: float, attempt_s: str | None = None) -> tuple[fl
 
 def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()) -> Any:
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from raylift.faults import FaultReporter
 
@@ -264,7 +265,7 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
     workers: int | tuple[int, int] = (
         (sc.min_workers, sc.max_workers) if sc.elastic else sc.min_workers
     )
-    return TorchTrainer(
+    return trainer_class()(
         worker_main,
         train_loop_config={SPEC_KEY: spec},
         torch_config=TorchConfig(backend="nccl" if sc.use_gpu else "gloo"),
@@ -291,6 +292,28 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
             callbacks=[faults, *callbacks],
         ),
     )
+
+
+@functools.cache
+def trainer_class() -> Any:
+    """``TorchTrainer`` without Train V2's datasets callback when the run passes no Ray
+    Dataset, as raylift's runs do (each worker reads its own shards). That callback
+    starts a ``DatasetManager`` actor for every worker group all the same: a process,
+    idle for the whole run, whose start costs about 1.5 CPU-seconds at every start and
+    restart. Where Ray's internals differ, the trainer is Ray's own."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list[Any]:
+            # Train V2's method; ray.train's static types are Train V1's.
+            callbacks: list[Any] = super()._create_default_callbacks()  # type: ignore[misc]
+            if getattr(self, "datasets", None):
+                return callbacks
+            return [cb for cb in callbacks if type(cb).__name__ != "DatasetsCallback"]
+
+    if not hasattr(TorchTrainer, "_create_default_callbacks"):
+        return TorchTrainer
+    return Trainer
 
 
 def checkpoint_config(cfg: Config) -> Any:

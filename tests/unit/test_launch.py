@@ -156,3 +156,23 @@ def test_a_local_tracking_store_over_ray_client_stops_before_any_worker(
 
     assert is_local_store("sqlite:///a.db") and is_local_store("./mlruns")
     assert not is_local_store("http://127.0.0.1:5000")
+
+
+def test_the_trainer_starts_no_dataset_manager_for_a_run_without_ray_datasets() -> None:
+    """Train V2 starts an idle DatasetManager actor per worker group even with no Ray
+    Dataset; raylift's workers read their own shards, so its trainer leaves that out and
+    keeps every other default callback (placement-group cleanup, metrics, the backend)."""
+    from ray.train import RunConfig, ScalingConfig
+
+    from raylift.launch import trainer_class
+
+    trainer = trainer_class()(
+        lambda config: None,
+        scaling_config=ScalingConfig(num_workers=1),
+        run_config=RunConfig(storage_path="/tmp/raylift-unused"),
+    )
+    names = [type(cb).__name__ for cb in trainer._create_default_callbacks()]
+    assert "DatasetsCallback" not in names
+    assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= set(names), names
+    trainer.datasets = {"train": object()}  # a run that passes datasets keeps Ray's path
+    assert "DatasetsCallback" in [type(cb).__name__ for cb in trainer._create_default_callbacks()]

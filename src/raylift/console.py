@@ -28,7 +28,8 @@ VERBOSE_ENV = "RAYLIFT_VERBOSE"
 # its own log lines (``[2026-01-01 00:00:00,000 E 123 456] core_worker.cc:12: ...``),
 # abseil's raw lines (``[mutex.cc : 452] RAW: Lock blocking ...``), and the failure
 # signal handler's dump of a C++ stack (``*** SIGSEGV received at ...``, ``PC: @ ...``,
-# ``    @     0x7f543545a050       9104  (unknown)``), and torch's C++ warnings. A
+# ``    @     0x7f543545a050       9104  (unknown)``), torch's C++ warnings, and Python's
+# faulthandler dump of a process that aborts (``Fatal Python error: Aborted``). A
 # process that dies this way is reported by raylift in its own words; the lines stay in
 # Ray's log files (the worker's own).
 CPP_LINE = re.compile(
@@ -38,7 +39,16 @@ CPP_LINE = re.compile(
     r"|\[\S+\.(cc|h) ?: ?\d+\] RAW: "
     r"|\*\*\* SIG[A-Z]+ received at "
     r"|PC: @ "
-    r"|\s+@\s+0x[0-9a-f]+\s)"
+    r"|\s+@\s+0x[0-9a-f]+\s"
+    # Python's faulthandler, when such a process aborts (a worker ending while a native
+    # thread still runs): the error, its threads' frames, which it writes as ``line 12 in
+    # f`` where a Python traceback writes ``line 12, in f``, and its list of modules.
+    r"|Fatal Python error: "
+    r"|Python runtime state: "
+    r"|(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):"
+    r'|\s+File ".*", line \d+ in \S+$'
+    r"|\s+<no Python frame>"
+    r"|Extension modules: )"
 )
 
 

@@ -61,6 +61,16 @@ DUMP = [
     "    @     0x7f543545a050       9104  (unknown)",
     "    @     0x7f53fc006410  (unknown)  (unknown)",
 ]
+# Python's faulthandler as a worker that aborted at its exit wrote it, on a CI run.
+FAULTHANDLER = [
+    "Fatal Python error: Aborted",
+    "Python runtime state: finalizing (tstate=0x0000556a2f1c1e40)",
+    "Thread 0x00007f3a1cbf9640 (most recent call first):",
+    '  File "/usr/lib/python3.11/threading.py", line 327 in wait',
+    "  <no Python frame>",
+    "Current thread 0x00007f3a5e2f4740 (most recent call first):",
+    "Extension modules: msgpack._cmsgpack, psutil._psutil_linux, pyarrow.lib (total: 93)",
+]
 
 
 def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
@@ -82,7 +92,13 @@ def test_ray_cpp_lines_are_dropped_from_the_console_and_the_rest_kept(
         "cannot be retrieved. err=-3"
     )  # a GPU worker's process group, seen on an H200
     dispatcher.emit({"lines": [c10d], "pid": 1})
+    dispatcher.emit({"lines": FAULTHANDLER, "pid": 1})
     assert printed == [ours, "Traceback (most recent call last):"]
+    # A Python traceback's frames (``line N, in f``) are not the faulthandler's.
+    frame = '  File "/home/me/mymodels.py", line 40, in forward'
+    dispatcher.emit({"lines": [frame], "pid": 1})
+    assert printed[-1] == frame
+    printed.pop()
     # What Ray's own processes publish goes to a file in Ray's logs folder, not here.
     busy = "WARNING: 8 PYTHON worker processes have been started on node: 25a8"
     dispatcher.emit({"lines": [busy], "pid": "raylet"})

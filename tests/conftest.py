@@ -221,7 +221,10 @@ def mlflow_server(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     folder = tmp_path_factory.mktemp("mlflow-server")
     port = _free_port()
     exe = str(Path(sys.executable).with_name("mlflow"))
-    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_server}
+    # No job runner: it serves MLflow's GenAI jobs, which no test uses, and its consumer
+    # polls for them (about 30 CPU-seconds over a suite on this 2-core machine).
+    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_server,
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # fmt: skip
     log_file = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed at stop)
     server = subprocess.Popen(
         [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

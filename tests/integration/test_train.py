@@ -130,13 +130,18 @@ def val_loss_of(proc: subprocess.Popen[str], tmp: Path) -> float:
 def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where_it_was(
     ray_cluster: str, in_tmp: Path, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """Storage on the S3 server. SIGKILL of rank 1 mid-run: one console line says so and
-    Ray restarts the group from the newest checkpoint; the run ends where an uninterrupted
-    one does, in one MLflow run; a second writer of the run is refused meanwhile. Then it
-    resumes on 1 worker, verifies and exports from s3://, and a damaged newest checkpoint
-    in the store is found and passed over."""
+    """Storage on the S3 server, ZeRO-2. SIGKILL of rank 1 mid-run: one console line says
+    so and Ray restarts the group from the newest checkpoint; the run ends where an
+    uninterrupted one (DDP) does, in one MLflow run; a second writer of the run is refused
+    meanwhile. Then it resumes on 1 worker, verifies and exports from s3://, and a damaged
+    newest checkpoint in the store is found and passed over."""
     marker = in_tmp / "killed"
-    common = [str(REPO / "configs" / "gpt-tiny.yaml"), *kill_overrides(kill_storage, marker)]
+    zero2 = ["strategy.name=deepspeed", "strategy.zero_stage=2"]  # its console, under Ray
+    common = [
+        str(REPO / "configs" / "gpt-tiny.yaml"),
+        *kill_overrides(kill_storage, marker),
+        *zero2,
+    ]
     run = f"{kill_storage}/kill"
     cmd = [sys.executable, "-m", "raylift.cli", "train", *common, "name=kill"]
     killed = subprocess.Popen(

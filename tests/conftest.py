@@ -10,43 +10,43 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.survivors import MARK, left_behind, mark_suite
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RAYLIFT_TEST_CACHE", Path.home() / ".cache" / "raylift-tests"))
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(CACHE / "torch_extensions"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Whatever else caches under ~/.cache (raylift's CPU peaks among it) starts where the rest does.
+os.environ.setdefault("XDG_CACHE_HOME", str(CACHE / "xdg"))
+_SHELL = dict(os.environ)  # as the suite started: before any fixture changes os.environ
 
 
 # Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup); each is a
-# session of its own, and starts its own local Ray if its tests need one. The tests on Ray
-# are in the group "ray", which one worker runs in order: first what must run alone (the
+# session of its own. The tests on Ray are in the group "ray", which one worker runs in
+# order, one at a time, each run of a test after the one before it: a 2-worker run fills
+# the two cores by itself, and two at once (or a second Ray beside the first) leave each
+# too little to keep Ray's own timers and the autoscaler's. First what must run alone (the
 # doctor's verdicts rest on timings a busy machine would change: the other worker waits
-# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the tests
-# of what ran in the background (``background``: two scenarios that start Rays of their
-# own and spend much of their time waiting on nodes and start-ups), which started with
-# the first test after the alone ones. The other worker runs the modules of ``OTHER_RAY``
-# (group "ray2": each needs nothing the others leave) on a Ray of its own, then the unit
-# tests; both share what is left when one runs out.
+# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
+# scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
+# each start a local Ray), with the session's Ray idle. The other worker runs the unit
+# tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
-BACKGROUND = {"autoscaler": "test_autoscaler.py", "own_ray": "test_own_ray.py"}
-# On the session's Ray, the tests that spend most of their time waiting (on jobs, restarts,
-# a sweep's trials) go first, beside the background scenarios.
-WAITING = ("test_submit.py", "test_train.py", "test_tune.py")
-ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server", "background"}  # the group's fixtures
-OTHER_RAY = ("test_user_models.py", "test_mlflow_models.py")
+OWN_RAY = ("test_autoscaler.py", "test_own_ray.py")
+ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
 
 
 def lane(item: pytest.Item) -> int:
     name = item.path.name
     if name in ALONE and "integration" in item.path.parts:
         return 0
-    if name in BACKGROUND.values():
+    if name in OWN_RAY:
         return 3
     return 1 if "integration" in item.path.parts else 2
 
@@ -56,15 +56,12 @@ def on_ray(item: pytest.Item) -> bool:
 
 
 def group(item: pytest.Item) -> str | None:
-    """The item's xdist group: "ray", "ray2" (``OTHER_RAY``), or None (any worker)."""
-    if not on_ray(item):
-        return None
-    return "ray2" if lane(item) == 1 and item.path.name in OTHER_RAY else "ray"
+    """The item's xdist group: "ray", or None (any worker)."""
+    return "ray" if on_ray(item) else None
 
 
-def order(item: pytest.Item) -> tuple[int, int]:
-    name, at = item.path.name, lane(item)
-    return at, WAITING.index(name) if at == 1 and name in WAITING else len(WAITING)
+def order(item: pytest.Item) -> int:
+    return lane(item)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
@@ -81,6 +78,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In the controller (or a run without xdist), before any worker starts: the mark
+    every process of this suite inherits (tests/survivors.py)."""
+    if not hasattr(config, "workerinput"):
+        mark_suite()
+
+
 def _alone_done_marker() -> Path:
     """A file both workers name alike: the alone tests' worker writes it when they are done."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"solo-{os.getpid()}")
@@ -92,8 +96,8 @@ _WAITED: list[bool] = []
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures: a module's runs start there
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On the other worker: wait until the alone tests are done (at most 15 minutes,
-    should their worker die)."""
+    """On the other worker: wait until the alone tests are done (at most an hour, should
+    their worker die)."""
     import time
 
     if _WAITED or lane(item) == 0 or group(item) == "ray":
@@ -101,7 +105,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _WAITED.append(True)
     if not any(lane(other) == 0 for other in item.session.items):
         return
-    marker, deadline = _alone_done_marker(), time.monotonic() + 900
+    marker, deadline = _alone_done_marker(), time.monotonic() + 3600
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
 
@@ -115,11 +119,26 @@ def _alone_module_done() -> Iterator[None]:
 SESSION: dict[str, str] = {}  # what the session's Ray was started with
 
 
+@pytest.hookimpl(trylast=True)  # after xdist has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from tests.helpers import close_pools
 
     close_pools()  # the spawned ranks the unit tests shared
     _alone_done_marker().unlink(missing_ok=True)
+    if hasattr(session.config, "workerinput"):
+        return
+    # The controller, once every worker has ended: nothing the suite started may outlive it.
+    left = left_behind(os.environ[MARK])
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        title = f"{len(left)} process(es) the suite left running, now killed"
+        if reporter is not None:
+            reporter.write_sep("=", title, red=True)
+            for line in left:
+                reporter.write_line(line, red=True)
+        else:
+            print(title, *left, sep="\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")
@@ -291,7 +310,12 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
     try:
         yield address
     finally:
+        from tests.helpers import stop_ray_of
+
         ray.shutdown()
+        # What Ray's shutdown leaves (a Train controller was seen alive hours after its
+        # Ray) is stopped by pid: every process that names the session's temp dir.
+        stop_ray_of(temp_dir)
         if previous is None:
             os.environ.pop("RAY_ADDRESS", None)
         else:
@@ -300,32 +324,11 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def background(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Future]:
-    """The autoscaler test's fake cluster and the two commands that each start their own
-    local Ray (test_own_ray), run in background threads from the first test after the
-    alone ones; their tests, last, wait for what they left. Only the selected ones start."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    session = request.session.items
-    selected = [name for name, module in BACKGROUND.items()
-                if any(item.path.name == module for item in session)]  # fmt: skip
-    if not selected:
-        return {}
-    request.getfixturevalue("s3_server")
-    # A user's shell, as it is now: the tests that run meanwhile change os.environ.
-    shell = dict(os.environ)
-    from tests.integration.test_autoscaler import autoscaler_scenario
-    from tests.integration.test_own_ray import side_by_side
-
-    runs = {"autoscaler": autoscaler_scenario, "own_ray": side_by_side}
-    pool = ThreadPoolExecutor(len(selected), thread_name_prefix="background")
-    futures = {
-        name: pool.submit(runs[name], tmp_path_factory.mktemp(name), shell) for name in selected
-    }
-    pool.shutdown(wait=False)
-    return futures
+def user_shell(s3_server: str) -> dict[str, str]:
+    """A user's shell: the environment the suite started with (not the session Ray's
+    address or worker settings), with the S3 server's variables and the suite's mark."""
+    aws = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    return {**_SHELL, **aws, MARK: os.environ[MARK]}
 
 
 @pytest.fixture(autouse=True)
@@ -335,7 +338,6 @@ def _lanes(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("_alone_module_done")
     elif group(item) == "ray":
         _alone_done_marker().touch()  # no alone test selected, or they ran: say so
-        request.getfixturevalue("background")
 
 
 @pytest.fixture

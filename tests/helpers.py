@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -383,3 +386,41 @@ def stop_ray_of(temp_dir: str, timeout: float = 15.0) -> int:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     return len(found)
+
+
+# How long a command or a condition may take before the test calls it a hang. Not a
+# speed goal: a loaded machine takes several times as long as a quiet one, and still
+# passes; only a command that will never end meets it.
+HANG_S = 1800.0
+
+
+def finish_output(proc: subprocess.Popen, what: str, ceiling: float = HANG_S) -> tuple[str, str]:
+    """``proc``'s stdout and stderr once it has exited; a process still running after
+    ``ceiling`` seconds is a hang: it is killed and the failure shows its last output."""
+    try:
+        out, err = proc.communicate(timeout=ceiling)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        tail = f"{out or ''}\n{err or ''}"[-4000:]
+        raise AssertionError(
+            f"{what}: still running after {ceiling:.0f} s; it printed:\n{tail}"
+        ) from None
+    return out or "", err or ""
+
+
+def wait_until(
+    condition: Callable[[], Any],
+    what: str,
+    seen: Callable[[], Any] = lambda: "-",
+    ceiling: float = HANG_S,
+    every: float = 0.5,
+) -> Any:
+    """Until ``condition()`` is true (returns it). After ``ceiling`` seconds the failure
+    names what was awaited and what ``seen()`` says there was instead."""
+    deadline = time.monotonic() + ceiling
+    while not (got := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"waited {ceiling:.0f} s for {what}; saw: {seen()}")
+        time.sleep(every)
+    return got

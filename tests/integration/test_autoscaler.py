@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from raylift.launch import WORKER_ENV
-from tests.helpers import stop_ray_of
+from tests.helpers import HANG_S, finish_output, stop_ray_of
 from tests.integration.test_train import OURS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -100,10 +100,10 @@ def fake_cluster(root: Path, shell: dict[str, str]) -> Iterator[FakeCluster]:
         # `ray start` with RAY_AUTH_MODE=token wants a token to exist (ray.init makes one;
         # on a fresh machine nothing has yet): made here as a user would, once per host.
         token = subprocess.run([head[0], "get-auth-token", "--generate"], env=env, cwd=root,
-                               capture_output=True, text=True, timeout=60)  # fmt: skip
+                               capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
         assert token.returncode == 0, token.stderr[-2000:]
         started = subprocess.run(
-            head, env=env, cwd=root, capture_output=True, text=True, timeout=120
+            head, env=env, cwd=root, capture_output=True, text=True, timeout=HANG_S
         )
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         watcher = subprocess.Popen(
@@ -119,26 +119,26 @@ def fake_cluster(root: Path, shell: dict[str, str]) -> Iterator[FakeCluster]:
 
 
 def autoscaler_scenario(root: Path, shell: dict[str, str]) -> dict[str, Any]:
-    """Everything the tests below look at, run once, in order, in the background beside
-    the rest of the suite (conftest.background): each step's console, the cluster's
-    record of its nodes, and how long the idle nodes took to go. ``shell``: the
-    environment a user's shell would have, taken when the suite started it."""
+    """Everything the tests below look at, run once, in order: each step's console, the
+    cluster's record of its nodes, and how long the idle nodes took to go. ``shell``: the
+    environment a user's shell would have."""
     with fake_cluster(root, shell) as cluster:
         out: dict[str, Any] = {"cluster": cluster, **in_order(cluster)}
         wait_for_idle(cluster)
     return out
 
 
-def wait_for_idle(cluster: FakeCluster, timeout: float = 180) -> None:
-    """Until the head is alone again, or ``timeout``: the idle nodes' going is recorded."""
+def wait_for_idle(cluster: FakeCluster, timeout: float = 900) -> None:
+    """Until the head is alone again, or ``timeout`` (then the test of the idle nodes
+    shows what was left): the idle nodes' going is recorded."""
     deadline = time.time() + timeout
     while time.time() < deadline and any(cpus for cpus in cluster.history()[-1][1].values()):
         time.sleep(2)
 
 
 @pytest.fixture(scope="module")
-def scenario(background: dict) -> dict[str, Any]:
-    return dict(background["autoscaler"].result(timeout=1800))
+def scenario(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return autoscaler_scenario(tmp_path_factory.mktemp("autoscaler"), user_shell)
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +146,8 @@ def cluster(scenario: dict) -> FakeCluster:
     return scenario["cluster"]  # type: ignore[no-any-return]
 
 
-def finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc: subprocess.Popen, what: str) -> str:
+    out, _ = finish_output(proc, what)
     assert proc.returncode == 0, f"{what}:\n{out[-4000:]}"
     return str(out)
 
@@ -161,7 +161,7 @@ def in_order(cluster: FakeCluster) -> dict[str, str]:
     right = cluster.raylift("check", *check)
     wrong = cluster.raylift("check", *check[:1], "storage=s3://no-such-bucket/runs", *check[2:])
     out["check"] = finish(right, "check")  # the two checks ran side by side
-    out["check-wrong"], _ = wrong.communicate(timeout=300)
+    out["check-wrong"], _ = finish_output(wrong, "check of a wrong bucket")
     out["check-wrong-code"] = str(wrong.returncode)
     # A fixed-size run (2 workers) through the Jobs API: the head holds no CPU, so its
     # workers land on nodes the autoscaler launches for it.
@@ -233,7 +233,7 @@ def elastic_run(cluster: FakeCluster, common: list[str]) -> dict[str, str]:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
             step(cluster, line, seen)
-        proc.wait(timeout=600)
+        proc.wait(timeout=HANG_S)
     finally:
         cluster.hold.unlink(missing_ok=True)
         set_node_cap(cluster, 3)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from raylift.data.shards import (
 )
 from raylift.precision import DeviceFacts, choose
 from raylift.tasks import build_task
+from tests.helpers import HANG_S, finish_output, wait_until
 from tests.integration.test_train import cli_env
 
 pytestmark = pytest.mark.integration
@@ -120,7 +120,7 @@ def test_joining_a_token_cluster_without_the_token_stops_at_once_with_the_fix(
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"RAY_ADDRESS={ray_cluster}" in proc.stderr and "RAY_AUTH_MODE=token" in proc.stderr
@@ -131,8 +131,8 @@ def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
     digits_shards: Path, in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """2 workers x 3 CPUs on the session's 4-CPU Ray: Ray Train alone would retry the
-    placement forever; raylift stops after scaling.placement_timeout_s and says why."""
-    started = time.monotonic()
+    placement forever; raylift stops after scaling.placement_timeout_s and says why (that
+    it returns at all is the bound: how soon depends on how busy the machine is)."""
     code = cli_main(
         [
             "train",
@@ -143,12 +143,10 @@ def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
             "scaling.placement_timeout_s=5",
         ]
     )
-    waited = time.monotonic() - started
     err = capsys.readouterr().err
     assert code == 1, err
     assert "could not be placed" in err and "it needs CPU 6" in err, err
-    assert "the cluster has CPU 4" in err and "placement_timeout_s" in err, err
-    assert waited < 5 + 90, waited  # the bound plus start-up: not an endless retry
+    assert "the cluster has CPU 4" in err and "placement_timeout_s=5 s" in err, err
 
 
 @pytest.mark.slow
@@ -172,19 +170,25 @@ def test_quickstart_from_cached_shards_resumes_after_ctrl_c_into_one_mlflow_run(
         args, cwd=in_tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     run_dir = in_tmp / "runs" / "qs"
-    deadline = time.time() + 240
+
+    def saved_or_ended() -> bool:
+        return len(list(run_dir.glob("checkpoint-step*/loop_state.pt"))) >= 2 or (
+            proc.poll() is not None
+        )
+
     # Two checkpoints on disk: the first is complete and registered with Ray (a SIGINT
     # during a checkpoint's write may leave that one incomplete, and the run resume
     # from step 0, which this test is not about).
-    while time.time() < deadline and len(list(run_dir.glob("checkpoint-step*/loop_state.pt"))) < 2:
-        time.sleep(0.1)
+    wait_until(saved_or_ended, "two checkpoints of the first command", every=0.1,
+               seen=lambda: sorted(p.name for p in run_dir.glob("checkpoint-step*")))  # fmt: skip
+    assert proc.poll() is None, "the first command ended before it was stopped"
     proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = finish_output(proc, "the first command, stopped by Ctrl-C")
     assert proc.returncode != 0, out[-2000:]
     saved = sorted(run_dir.glob("checkpoint-step*"))
     assert saved, out[-2000:]
     resumed = subprocess.run(
-        args, cwd=in_tmp, env=cli_env(), capture_output=True, text=True, timeout=400
+        args, cwd=in_tmp, env=cli_env(), capture_output=True, text=True, timeout=HANG_S
     )
     said = resumed.stdout
     assert resumed.returncode == 0, said[-3000:] + resumed.stderr[-3000:]

@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers import finish_output
 from tests.integration.test_train import OURS, cli_env
 from tests.unit.test_hf import LLAMA
 
@@ -43,7 +44,7 @@ def raylift(folder: Path, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, what: str) -> str:
-    out, _ = proc.communicate(timeout=600)
+    out, _ = finish_output(proc, what)
     assert proc.returncode == 0, f"{what}:\n{out[-4000:]}"
     assert not [x for x in out.splitlines() if not x.startswith(OURS)], out
     return str(out)
@@ -53,8 +54,9 @@ def finish(proc: subprocess.Popen, what: str) -> str:
 def consoles(
     ray_cluster: str, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, str]:
-    """Three runs: the quickstart registered (beside an hf-causal-lm run under FSDP), then
-    a run that starts from the registered version."""
+    """Three runs, one after the other (each fills the two cores): an hf-causal-lm run
+    under FSDP, the quickstart registered, then a run that starts from the registered
+    version."""
     folder = tmp_path_factory.mktemp("mlflow-models")
     common = [
         f"tracking.uri={mlflow_server}", "precision=32", f"storage=s3://runs/{folder.name}",
@@ -62,11 +64,12 @@ def consoles(
     ]  # fmt: skip
     (folder / "hf.yaml").write_text(yaml.safe_dump(HF_CONFIG))
     hf = raylift(folder, "train", "hf.yaml", "name=hf-fsdp", *common)
+    out = {"hf": finish(hf, "hf-causal-lm")}
     first = raylift(
         folder, "train", str(QUICKSTART), "name=registered", "train.max_steps=12",
         f"tracking.register_as={REGISTERED}", *common,
     )  # fmt: skip
-    out = {"registered": finish(first, "the registered run")}
+    out["registered"] = finish(first, "the registered run")
     again = raylift(
         folder,
         "train",
@@ -76,8 +79,7 @@ def consoles(
         f"model.weights=models:/{REGISTERED}/1",
         "tracking.log_model=none",
         *common,
-    )  # fmt: skip  (it starts while the hf run may still train)
-    out["hf"] = finish(hf, "hf-causal-lm")
+    )  # fmt: skip
     out["finetuned"] = finish(again, "the run from the registry")
     return out
 

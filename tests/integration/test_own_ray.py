@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
+from tests.helpers import finish_output
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
@@ -102,10 +104,11 @@ def watch(
 EPOCHS = 4  # ASHA's rungs (grace period 1, reduction factor 3) are then epochs 1 and 3
 # One learning rate that learns and two that barely move: whichever order their epoch-1
 # results arrive in, ASHA has a good result to hold the second poor one to, and stops
-# it there. Sampled rates left that to chance: some sweeps stopped nothing.
+# it there. Sampled rates left that to chance: some sweeps stopped nothing. One trial at
+# a time: beside the other command's run, that is all the two cores hold.
 RATES = [3.0e-3, 1.0e-5, 1.0e-5]
 TRIALS = len(RATES)
-ASHA = ["tune.num_samples=1", "tune.max_concurrent=2", f"train.max_epochs={EPOCHS}",
+ASHA = ["tune.num_samples=1", "tune.max_concurrent=1", f"train.max_epochs={EPOCHS}",
         "train.max_steps=null"]  # fmt: skip
 
 
@@ -171,8 +174,7 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
 
 def side_by_side(tmp_path: Path, shell: dict[str, str]) -> dict[str, Any]:
     """The sweep (an ASHA sweep of distributed trials) and the run, started together from
-    a user's ``shell``, in the background beside the rest of the suite (conftest.background);
-    what they printed and what the run's process tree listened on."""
+    a user's ``shell``; what they printed and what the run's process tree listened on."""
     sweep = subprocess.Popen(
         command(tmp_path, "tune", asha_config(tmp_path), "side-sweep", *ASHA),
         cwd=tmp_path, env=own_ray_env(shell), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -186,8 +188,8 @@ def side_by_side(tmp_path: Path, shell: dict[str, str]) -> dict[str, Any]:
     )  # fmt: skip
     try:
         seen, jobs = watch(run)
-        out, err = run.communicate()
-        swept, _ = sweep.communicate(timeout=600)
+        out, err = finish_output(run, "the quickstart on its own Ray")
+        swept, _ = finish_output(sweep, "the sweep on its own Ray")
     finally:
         for proc in (run, sweep):
             if proc.poll() is None:
@@ -196,8 +198,13 @@ def side_by_side(tmp_path: Path, shell: dict[str, str]) -> dict[str, Any]:
             "jobs": jobs, "tmp": tmp_path}  # fmt: skip
 
 
-def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(background: dict) -> None:
-    got = background["own_ray"].result(timeout=1800)
+@pytest.fixture(scope="module")
+def side_by_side_runs(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return side_by_side(tmp_path_factory.mktemp("own_ray"), user_shell)
+
+
+def test_a_sweep_and_a_run_side_by_side_each_on_its_own_ray(side_by_side_runs: dict) -> None:
+    got = side_by_side_runs
     run, out, err, sweep, swept = (got[k] for k in ("run", "out", "err", "sweep", "swept"))
     seen, jobs, tmp_path = got["seen"], got["jobs"], got["tmp"]
     assert run.returncode == 0, out[-3000:] + err[-3000:]

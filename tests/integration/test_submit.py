@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import finish_output
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
@@ -90,7 +92,7 @@ def jobs(
         ))  # fmt: skip
     done = {}
     for name, (cmd, proc) in started.items():
-        out, err = proc.communicate(timeout=600)
+        out, err = finish_output(proc, f"the job {name!r}")
         done[name] = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     return done
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import finish_output
 from tests.integration.test_train import OURS, STARTUP_KEYS, cli_env
 
 pytest.importorskip("transformers")
@@ -24,29 +25,25 @@ USER_FILE = Path(__file__).resolve().parents[1] / "user_models.py"
 CONFIG = """
     task: mymodels:{task}
     data: {{batch_size: 8}}
-    scaling: {{num_workers: 2, cpus_per_worker: 0.5}}   # three runs at once on 4 CPUs
+    scaling: {{num_workers: 2, cpus_per_worker: 0.5}}
     precision: "32"
     optim: {{name: adamw, lr: 3.0e-3, weight_decay: 0.1, betas: [0.9, 0.95], warmup_steps: 5}}
     train: {{max_steps: 30, log_every_n_steps: 1, grad_clip: 1.0, seed: 0}}
     checkpoint: {{every_n_steps: 30, keep: 1}}
     storage: ./runs
 """
-# Runs, name -> (task, strategy overrides). The first batch prepares each task's shards
-# (one run per task); each run of the second starts when its task's first run is done.
-# Llama's three runs are compared over 30 steps; NormLM's shows fairscale's console
-# (tests/unit compares its curves under every strategy), so 10 steps do. ZeRO-2's console
+# Runs, name -> (task, strategy overrides), one after the other: each fills the two cores.
+# A task's first run prepares its shards; the later ones reuse them. Llama's three runs
+# are compared over 30 steps; NormLM's shows fairscale's console (tests/unit compares its
+# curves under every strategy), so 10 steps do. ZeRO-2's console
 # under Ray is the killed run's (tests/integration/test_train.py).
 SHORT = ["train.max_steps=10", "checkpoint.every_n_steps=10"]
-BATCHES = [
-    {
-        "llama-ddp": ("LlamaLM", ["strategy.name=ddp"]),
-        "norm-fairscale": ("NormLM", ["strategy.name=fairscale", *SHORT]),
-    },
-    {
-        "llama-fsdp": ("LlamaLM", ["strategy.name=fsdp"]),
-        "llama-zero3": ("LlamaLM", ["strategy.name=deepspeed", "strategy.zero_stage=3"]),
-    },
-]
+RUNS = {
+    "llama-ddp": ("LlamaLM", ["strategy.name=ddp"]),
+    "norm-fairscale": ("NormLM", ["strategy.name=fairscale", *SHORT]),
+    "llama-fsdp": ("LlamaLM", ["strategy.name=fsdp"]),
+    "llama-zero3": ("LlamaLM", ["strategy.name=deepspeed", "strategy.zero_stage=3"]),
+}
 
 
 def raylift(folder: Path, *args: str) -> subprocess.Popen:
@@ -57,37 +54,24 @@ def raylift(folder: Path, *args: str) -> subprocess.Popen:
 
 
 def finish(proc: subprocess.Popen, name: str) -> list[str]:
-    out, err = proc.communicate(timeout=600)
+    out, err = finish_output(proc, name)
     assert proc.returncode == 0, f"{name}:\n{out[-3000:]}\n{err[-3000:]}"
     return (out + err).splitlines()
 
 
 @pytest.fixture(scope="module")
 def user_runs(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """Each run's console lines, in batches of runs started together."""
+    """Each run's console lines, and when each was started."""
     folder = tmp_path_factory.mktemp("user")  # under /tmp: outside the repository
     shutil.copy(USER_FILE, folder / "mymodels.py")
     for task in ("LlamaLM", "NormLM"):
         (folder / f"{task}.yaml").write_text(textwrap.dedent(CONFIG.format(task=task)))
     consoles: dict[str, list[str]] = {}
     started: dict[str, float] = {}
-
-    def start(batch: dict) -> dict[str, subprocess.Popen]:
-        for name in batch:
-            started[name] = time.time()
-        return {
-            name: raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
-            for name, (task, overrides) in batch.items()
-        }
-
-    first, rest = BATCHES
-    leaders = start(first)
-    followers: dict[str, subprocess.Popen] = {}
-    for name, proc in leaders.items():  # a task's later runs start once its shards exist
+    for name, (task, overrides) in RUNS.items():
+        started[name] = time.time()
+        proc = raylift(folder, "train", f"{task}.yaml", f"name={name}", *overrides)
         consoles[name] = finish(proc, name)
-        task = first[name][0]
-        followers |= start({n: spec for n, spec in rest.items() if spec[0] == task})
-    consoles.update({name: finish(p, name) for name, p in followers.items()})
     return folder, consoles, started
 
 
@@ -161,7 +145,7 @@ def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
 
 
 def test_the_startup_phases_add_up_to_the_time_to_the_first_step(user_runs: tuple) -> None:
-    """Measured from the command's start (its data prepared in the run, beside another)."""
+    """Measured from the command's start (its data prepared in the run)."""
     folder, consoles, started = user_runs
     run_id = re.search(r"MLflow run (\w+)", "\n".join(consoles["llama-ddp"])).group(1)  # type: ignore[union-attr]
     client, run = mlflow_run(folder, "llama-ddp")

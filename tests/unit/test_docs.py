@@ -18,6 +18,7 @@ import yaml
 from raylift import reference
 from raylift.cli import build_parser
 from raylift.config import Config, ConfigError, load_config
+from tests.helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").rglob("*.md"))
@@ -49,7 +50,7 @@ def test_the_manual_builds_strictly(tmp_path: Path) -> None:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     done = subprocess.run(
         [str(mkdocs), "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
@@ -143,7 +144,7 @@ def test_the_readme_is_a_front_door() -> None:
 def test_the_results_tables_are_rendered_from_the_json_files(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "render_results.py"), "--check"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     sys.path.insert(0, str(REPO / "benchmarks"))

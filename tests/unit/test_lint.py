@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import finish_output
+
 REPO = Path(__file__).resolve().parents[2]
 # mypy's cache lives with the other compiled caches: a warm run takes seconds, not a minute.
 CACHE = Path(os.environ.get("RAYLIFT_TEST_CACHE", Path.home() / ".cache" / "raylift-tests"))
@@ -37,5 +39,5 @@ def test_clean(name: str) -> None:
     proc = start(name)
     if proc is None:
         pytest.skip(f"{LINTERS[name][0]} is not installed (pip install -e '.[dev]')")
-    out, _ = proc.communicate(timeout=600)
+    out, _ = finish_output(proc, name)
     assert proc.returncode == 0, out

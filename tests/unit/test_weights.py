@@ -14,7 +14,7 @@ import torch
 from raylift.config import merge
 from raylift.tasks import build_task
 from raylift.weights import WeightsError, check, load
-from tests.helpers import GPT_SMALL, make_config, run_ranks
+from tests.helpers import GPT_SMALL, HANG_S, make_config, run_ranks
 from tests.unit.test_init import STRATEGIES, initial_params
 
 REPO = Path(__file__).resolve().parents[2]
@@ -135,7 +135,7 @@ def test_train_refuses_bad_weights_before_anything_starts(tmp_path: Path) -> Non
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ln_f.weight" in proc.stderr and "bad.safetensors" in proc.stderr

@@ -29,7 +29,17 @@ from typing import Any
 
 from raylift.config import Config, flatten
 
-SECRET = re.compile(r"token|secret|password|passwd|key", re.IGNORECASE)
+# Keys whose values are credentials, by the last part of their name: a password, a
+# secret, a token (``hf_token``, ``aws_session_token``), an API or access key. Not every
+# name that contains one of those words: ``num_key_value_heads``, ``tokenizer`` and
+# ``max_tokens`` are a model's settings, and masking them breaks the saved config.
+SECRET = re.compile(
+    r"^(?:.*[_-])?(?:password|passwd|secret|token|credentials?|api_?key|access_?key(?:_id)?"
+    r"|secret_?(?:access_)?key|private_?key|auth)$",
+    re.IGNORECASE,
+)
+# The password of a URI's ``user:password@`` (a tracking server's, a database's).
+URI_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)([^/\s@]+)(@)", re.IGNORECASE)
 REDACTED = "***"
 
 
@@ -75,19 +85,33 @@ def server_problem(uri: str, timeout_s: float = 5.0) -> str | None:
     return None
 
 
+def is_secret(key: str) -> bool:
+    """Whether ``key`` (dotted or not) names a credential."""
+    return bool(SECRET.match(key.rsplit(".", 1)[-1]))
+
+
+def _masked(key: str, value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return redact_tree(value)
+    if isinstance(value, list):
+        return [_masked("", v) for v in value]
+    if value and is_secret(key):
+        return REDACTED
+    if isinstance(value, str):
+        return URI_PASSWORD.sub(rf"\1{REDACTED}\3", value)
+    return value
+
+
 def redact(params: Mapping[str, Any]) -> dict[str, Any]:
-    """Values of keys that look like credentials never reach MLflow or the console."""
-    return {
-        k: (REDACTED if SECRET.search(k.rsplit(".", 1)[-1]) and v else v) for k, v in params.items()
-    }
+    """Credentials never reach MLflow or the console: the values of credential keys, and
+    the password in a URI's ``user:password@``. Everything else is kept as it is, so the
+    config a run saves loads back to the one it ran."""
+    return {k: _masked(k, v) for k, v in params.items()}
 
 
 def redact_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
-    """``redact`` for a nested config, as printed on the console."""
-    return {
-        k: redact_tree(v) if isinstance(v, Mapping) else (REDACTED if SECRET.search(k) and v else v)
-        for k, v in tree.items()
-    }
+    """``redact`` for a nested config, as printed on the console and saved with the run."""
+    return redact(tree)
 
 
 def _quiet_mlflow() -> None:
@@ -98,6 +122,23 @@ def _quiet_mlflow() -> None:
 
 
 _IMPORTING = threading.Lock()
+
+
+@contextlib.contextmanager
+def process_uri(uri: str) -> Iterator[None]:
+    """MLflow resolves ``models:/`` and ``runs:/`` URIs through the process-wide tracking
+    and registry URIs, whatever client is asked: both point at ``uri`` inside the block
+    (a registered version's source, a model's download), then back."""
+    import mlflow
+
+    before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before[0])
+        mlflow.set_registry_uri(before[1])
 
 
 def client(uri: str) -> Any:
@@ -367,10 +408,11 @@ class Store:
         except MlflowException as exc:
             if "ALREADY_EXISTS" not in str(exc.error_code):
                 raise
-        version = mlflow.create_model_version(
-            register_as, source=f"models:/{model.model_id}", run_id=run_id,
-            model_id=model.model_id, await_creation_for=0,  # a new version is READY at once
-        )  # fmt: skip
+        with process_uri(self.uri):  # the source models:/ resolves in this store
+            version = mlflow.create_model_version(
+                register_as, source=f"models:/{model.model_id}", run_id=run_id,
+                model_id=model.model_id, await_creation_for=0,  # a new version is READY at once
+            )  # fmt: skip
         return model.model_id, f"models:/{register_as}/{version.version}"
 
     def log_datasets(self, run_id: str, datasets: list[DatasetRecord]) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from raylift import storage
 from raylift.config import Config
+from raylift.errors import first_line
 
 MARKER = ".raylift-check"
 PROBE_TIMEOUT_S = 120.0  # a node whose first Python worker is slow to start
@@ -96,10 +97,6 @@ def storage_probe(storage_dir: str, token: str, who: str) -> tuple[str | None, b
         return None, sees
     except Exception as exc:  # a store's own error types: every one is a finding here
         return f"cannot {step} a marker in {storage_dir}: {first_line(exc)}", False
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def versions() -> dict[str, str]:

@@ -25,6 +25,7 @@ from raylift import console, mlmodel, runlock, storage, tracking
 from raylift.check import before_workers
 from raylift.config import AUTO, RUN_CONFIG, Config, ConfigError, EnvironmentProblem
 from raylift.data.shards import Manifest
+from raylift.errors import first_line
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
@@ -439,7 +440,7 @@ def log_run_model(
     except Exception as exc:
         raise RunFailed(
             f"training run {cfg.name!r} finished, but logging its model to MLflow failed: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+            f"{first_line(exc)}"
             f"\n  the checkpoints are in {run_dir}; `raylift export {run_dir} --out "
             "model.safetensors` writes the weights, or fix the cause and rerun to log them"
         ) from exc

@@ -31,6 +31,7 @@ from raylift.checkpoint import (
     read_loop_state,
 )
 from raylift.config import MLFLOW_MODEL_URIS, RUN_CONFIG, Config
+from raylift.errors import first_line
 
 MODEL_NAME = "model"  # the logged model's name: runs:/RUN_ID/model resolves it
 NOTE = "raylift-model.json"  # what the folder holds and where it came from
@@ -176,25 +177,15 @@ def download(source: str, staged: str, tracking_uri: str, cfg: Config) -> int:
     with tempfile.TemporaryDirectory(prefix="raylift-weights-") as tmp:
         try:
             tracking.client(tracking_uri)  # MLflow imported and quieted as raylift does
-            import mlflow
             import mlflow.artifacts
 
-            # models:/ resolves through the process-wide registry whatever the arguments
-            # say: point it at the run's store for the download, then put it back.
-            before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-            mlflow.set_tracking_uri(tracking_uri)
-            mlflow.set_registry_uri(tracking_uri)
-            try:
+            with tracking.process_uri(tracking_uri):
                 mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp)
-            finally:
-                mlflow.set_tracking_uri(before[0])
-                mlflow.set_registry_uri(before[1])
         except Exception as exc:  # MLflow's own error types: a missing model, a bad URI
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise WeightsError(
                 f"model.weights: cannot fetch {source} from the tracking store "
-                f"{tracking_uri}: {first}; check the name and version (models:/NAME/VERSION) "
-                "or run id (runs:/RUN_ID/model), and tracking.uri"
+                f"{tracking_uri}: {first_line(exc)}; check the name and version "
+                "(models:/NAME/VERSION) or run id (runs:/RUN_ID/model), and tracking.uri"
             ) from exc
         check_for_config(cfg, build_task(cfg.task, cfg.task_args), tmp)
         size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())

@@ -175,3 +175,40 @@ def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) 
     for run_id in (ours, theirs):
         (got,) = store.client.get_run(run_id).inputs.dataset_inputs
         assert got.dataset.name == "digits-1" and got.dataset.digest == "abc"
+
+
+def test_register_as_works_with_a_sqlite_store_in_another_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow resolves a new version's ``models:/`` source through the process-wide URI,
+    not the client's: with a store that is not MLflow's default (./mlflow.db) the
+    registration failed, and left a ./mlruns in the working folder. The version it makes
+    is fetched back as ``model.weights: models:/NAME/1`` fetches it."""
+    import mlflow
+
+    from raylift.mlmodel import download
+    from raylift.tracking import Store, start_run
+    from raylift.weights import WeightsError
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(work)
+    uri = f"sqlite:///{elsewhere / 'm.db'}"
+    cfg = load_config(QUICKSTART, [f"tracking.uri={uri}", "task_args.width=8"])
+    run_id = start_run(cfg, str(tmp_path / "runs"), resume=False, world_size=1)
+    store = Store(uri)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"\0" * 8)
+    before = mlflow.get_tracking_uri()
+    _, registered = store.log_model(run_id, str(model), {}, "digits")
+    assert registered == "models:/digits/1"
+    assert mlflow.get_tracking_uri() == before  # the process's URI is put back
+    assert not (work / "mlruns").exists() and not (work / "mlflow.db").exists()
+    version = store.client.get_model_version("digits", "1")
+    assert version.run_id == run_id
+    # Fetched from the store (then refused: a byte file is not the task's model).
+    with pytest.raises(WeightsError) as refused:
+        download("models:/digits/1", str(tmp_path / "staged"), uri, cfg)
+    assert "cannot fetch" not in str(refused.value), refused.value

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift import storage
-from raylift.config import Config
+from raylift.config import Config, EnvironmentProblem
 from raylift.errors import first_line
 
 MARKER = ".raylift-check"
@@ -332,6 +332,19 @@ def fit_check(
 
 
 # ---------------------------------------------------------------- what train runs
+
+
+def writable(where: str, key: str) -> None:
+    """Before a command writes to ``where`` (the value of config key ``key``), on any
+    cluster: a marker written, read back and deleted from this process. A store that
+    cannot be reached (no such bucket, no credentials) raises :class:`EnvironmentProblem`
+    naming the URI, the store's own message and the fix, before anything was written."""
+    problem, _ = storage_probe(where, uuid.uuid4().hex[:12], "driver")
+    if problem:
+        raise EnvironmentProblem(
+            f"{key}: {problem}; check the URI (its bucket), this machine's credentials "
+            f"and network, or set {key} to a place you can write"
+        )
 
 
 def before_workers(cfg: Config) -> list[str]:

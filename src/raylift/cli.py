@@ -216,6 +216,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
+    from raylift.check import writable
     from raylift.data.shards import ShardError, prep, shard_root
     from raylift.data.sources import SourceError
     from raylift.launch import connect_ray
@@ -224,6 +225,7 @@ def cmd_prep(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
     root, _ = shard_root(cfg, task)
+    writable(root, "data.shards")
     try:
         result = prep(cfg, task, root, force=args.force, connect=lambda: connect_ray(cfg))
     except (ShardError, SourceError) as exc:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift import console, mlmodel, runlock, storage, tracking
-from raylift.check import before_workers
+from raylift.check import before_workers, writable
 from raylift.config import AUTO, RUN_CONFIG, Config, ConfigError, EnvironmentProblem
 from raylift.data.shards import Manifest
 from raylift.errors import first_line
@@ -353,6 +353,8 @@ def train(
     begins here). ``lock``: hold the run's lock (:mod:`raylift.runlock`), on any storage.
     """
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
+    if lock:  # a sweep's trials run in the sweep's storage, which it checked
+        writable(storage.resolve(cfg.storage), "storage")
     what = f"run {cfg.name!r}"
     hold = runlock.hold(run_dir, what, log, confirm=False) if lock else contextlib.nullcontext()
     with hold as held:

@@ -246,11 +246,13 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
 
     One sweep per name and storage at a time: a second raises :class:`RunLocked`."""
     from raylift import runlock, storage
+    from raylift.check import writable
     from raylift.launch import connect_ray, tracking_for_run
 
     spec = parse_sweep(cfg)
     if problem := tracking.server_problem(tracking.tracking_uri(cfg)):
         raise EnvironmentProblem(problem)
+    writable(resolve(cfg.storage), "storage")
     with runlock.hold(storage.join(resolve(cfg.storage), cfg.name), f"sweep {cfg.name!r}", log):
         connect_ray(cfg, workers=_trial_workers(cfg, spec) * spec.max_concurrent)
         with tracking_for_run(tracking.tracking_uri(cfg)) as (_, service):

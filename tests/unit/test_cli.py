@@ -73,3 +73,33 @@ def test_an_unreachable_tracking_server_exits_2_at_once_naming_it(
         assert "start the MLflow server" in err and "Traceback" not in err
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no shards, no run, no lock
     assert tracking.server_problem("sqlite:///x.db") is None  # a file, checked elsewhere
+
+
+@pytest.mark.parametrize(
+    ("verb", "config", "key", "bad"),
+    [
+        ("train", QUICKSTART, "storage", "s3://nobucket/runs"),
+        ("tune", SWEEP, "storage", "s3://nobucket/runs"),
+        ("prep", QUICKSTART, "data.shards", "s3://nobucket/shards"),
+    ],
+)
+def test_storage_that_cannot_be_written_is_one_line_and_exit_2_on_any_cluster(
+    verb: str, config: str, key: str, bad: str, s3_server: str, tmp_path: Path
+) -> None:
+    """On the S3 server, before anything starts or is written: a missing bucket is one
+    raylift line naming the URI, the store's own message and the fix (it was a
+    traceback from the run's lock). moto checks no credentials, so a refused secret is
+    not tried here."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local run
+    done = subprocess.run(
+        [sys.executable, "-m", "raylift.cli", verb, config, f"{key}={bad}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"raylift: {key}: cannot "), done.stderr
+    assert bad in lines[0] and "check the URI" in lines[0], lines[0]
+    assert "Traceback" not in done.stderr and not done.stdout.strip(), done.stdout
+    assert not (tmp_path / "mlflow.db").exists()  # nothing started

@@ -116,16 +116,39 @@ def versions() -> dict[str, str]:
 
 
 def gpu_facts() -> tuple[str, str, float]:
-    """(CUDA, NCCL, the smallest GPU's memory in GiB) of this node; dashes without GPUs."""
+    """(CUDA, NCCL, the smallest GPU's memory in GiB) of this node; dashes without GPUs.
+
+    Read without taking a GPU: Ray hides the GPUs from a task that asks for none (the
+    probe asks for none, or it would wait behind a running job), so the memory comes from
+    the driver's ``nvidia-smi`` and the versions from torch's build, neither of which
+    needs a visible device or a CUDA context."""
     import torch
 
-    if not torch.cuda.is_available():
+    memory = gpu_memory_gib()
+    if torch.version.cuda is None or not memory:
         return "-", "-", 0.0
-    nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
-    memory = min(
-        torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
-    )
-    return str(torch.version.cuda), nccl, memory / 2**30
+    try:
+        nccl = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except (RuntimeError, AttributeError):  # a build without NCCL
+        nccl = "-"
+    return str(torch.version.cuda), nccl, memory
+
+
+def gpu_memory_gib(smi: str | None = None) -> float:
+    """The smallest GPU's memory on this node, in GiB, from ``nvidia-smi`` (0: none)."""
+    import shutil
+    import subprocess
+
+    smi = smi or shutil.which("nvidia-smi")
+    if smi is None:
+        return 0.0
+    query = [smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=60, check=True)
+        sizes = [float(v) for v in out.stdout.split()]  # MiB, one line a GPU
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0.0
+    return min(sizes) / 1024 if sizes else 0.0
 
 
 # ---------------------------------------------------------------- on the driver
@@ -172,30 +195,42 @@ def probe_nodes(cfg: Config) -> tuple[list[NodeFacts], list[str], list[str]]:
         for n in alive
     ]
     try:
-        found = answers(refs, alive)
+        found, silent = answers(refs, alive)
     finally:
         if driver_problem is None:
             storage.delete(driver_marker)
-    return found, *storage_verdict(cfg, where, found, driver_problem)
+    lines, problems = storage_verdict(cfg, where, found, driver_problem)
+    if silent:
+        lines.append(
+            f"node(s) {', '.join(silent)}: no answer within {PROBE_TIMEOUT_S:.0f} s "
+            "(busy, or still starting): not checked; rerun raylift check to include them"
+        )
+    return found, lines, problems
 
 
-def answers(refs: list[Any], alive: list[dict[str, Any]]) -> list[NodeFacts]:
-    """Each node's facts, with its CPUs and GPUs; a node the autoscaler removed between
-    the listing and its probe is left out (nodes come and go; the rest still answer)."""
+def answers(refs: list[Any], alive: list[dict[str, Any]]) -> tuple[list[NodeFacts], list[str]]:
+    """Each node's facts, with its CPUs and GPUs, and the addresses of the nodes that did
+    not answer within ``PROBE_TIMEOUT_S``; a node the autoscaler removed between the
+    listing and its probe is left out (nodes come and go; the rest still answer)."""
     import ray
     from ray.exceptions import NodeDiedError, TaskUnschedulableError
 
-    ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_TIMEOUT_S)
     found: list[NodeFacts] = []
+    silent: list[str] = []
     for ref, node in zip(refs, alive, strict=True):
+        if ref not in ready:  # still starting or busy: ray.get would wait on, or time out
+            silent.append(str(node.get("NodeManagerAddress", node["NodeID"])))
+            ray.cancel(ref)
+            continue
         try:
-            facts: NodeFacts = ray.get(ref, timeout=1)
+            facts: NodeFacts = ray.get(ref)
         except (TaskUnschedulableError, NodeDiedError):
             continue
         facts.cpus = float(node["Resources"].get("CPU", 0))
         facts.gpus = float(node["Resources"].get("GPU", 0))
         found.append(facts)
-    return found
+    return found, silent
 
 
 def storage_verdict(

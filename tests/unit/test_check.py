@@ -1,8 +1,12 @@
-"""raylift check's verdicts from node facts: storage, versions, fit (no Ray needed)."""
+"""raylift check's verdicts from node facts: storage, versions, fit (no Ray needed); the
+probe's wait on the session's Ray, and GPU facts read without a visible GPU."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+import pytest
 
 from raylift.check import NodeFacts, fit_check, node_types, storage_verdict, version_problems
 from tests.helpers import make_config
@@ -55,3 +59,49 @@ def test_storage_failures_are_grouped_and_an_unshared_folder_is_refused() -> Non
     assert problems == [] and lines == [
         "storage s3://b/runs: written, read and deleted from every node"
     ]
+
+
+def test_a_node_slower_than_the_probe_is_named_not_a_timeout_error(
+    ray_cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node whose probe has not answered when the wait ends is named as not checked
+    (``ray.get(ref, timeout=1)`` after the wait raised Ray's GetTimeoutError)."""
+    import ray
+
+    from raylift import check
+
+    @ray.remote(num_cpus=0)
+    def slow() -> None:
+        time.sleep(3600)
+
+    monkeypatch.setattr(check, "PROBE_TIMEOUT_S", 0.5)
+    node = check.alive_nodes()[0]
+    found, silent = check.answers([slow.remote()], [node])
+    assert found == [] and silent == [node["NodeManagerAddress"]]
+
+
+def test_gpu_memory_is_read_from_nvidia_smi_without_a_visible_gpu(tmp_path: Path) -> None:
+    """The probe asks Ray for no GPU, so Ray hides the node's GPUs from it: the memory is
+    NVIDIA's tool's answer (here a script that answers as nvidia-smi does, two GPUs)."""
+    from raylift.check import gpu_memory_gib
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf '81559\\n40960\\n'\n")
+    smi.chmod(0o755)
+    assert gpu_memory_gib(str(smi)) == 40.0
+    assert gpu_memory_gib(str(tmp_path / "absent")) == 0.0
+
+
+@pytest.mark.gpu
+def test_a_gpu_nodes_facts_are_read_with_its_gpus_hidden() -> None:
+    """On a GPU machine, with the GPUs hidden as Ray hides them from a zero-GPU task."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    code = "from raylift.check import gpu_facts; print(gpu_facts())"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    cuda, nccl, memory = ast.literal_eval(out.stdout)
+    assert cuda != "-" and nccl != "-" and memory > 1.0, out

@@ -29,6 +29,7 @@ from raylift.checkpoint import (
     checkpoint_step,
     newest_complete,
     read_loop_state,
+    verify_checkpoint,
 )
 from raylift.config import MLFLOW_MODEL_URIS, RUN_CONFIG, Config
 from raylift.errors import first_line
@@ -62,8 +63,10 @@ def monitored(cfg: Config) -> tuple[str, str]:
 def choose_checkpoint(
     run_dir: str, which: str, metric: str, mode: str, log: Callable[[str], None] = print
 ) -> str | None:
-    """The newest complete checkpoint (``final``), or the one whose last evaluation scored
-    best on ``metric`` (``best``; the later one on a tie), from the run's folder."""
+    """The newest complete checkpoint (``final``), or the complete one whose last
+    evaluation scored best on ``metric`` (``best``; the later one on a tie), from the
+    run's folder. A better-scored one that is not complete (a rank never finished it, a
+    file is damaged) is passed over, and said so."""
     if which == "final":
         return newest_complete(run_dir, log)
     scored: list[tuple[float, int, str]] = []
@@ -75,7 +78,13 @@ def choose_checkpoint(
         if isinstance(value, (int, float)) and math.isfinite(value):
             sign = 1.0 if mode == "min" else -1.0
             scored.append((sign * float(value), -checkpoint_step(ckpt), ckpt))
-    return min(scored)[2] if scored else newest_complete(run_dir, log)
+    for _, _, ckpt in sorted(scored):
+        try:
+            verify_checkpoint(ckpt)
+            return ckpt
+        except CheckpointError as exc:
+            log(f"raylift: passing over {ckpt} for the best model: {exc}")
+    return newest_complete(run_dir, log)
 
 
 def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:

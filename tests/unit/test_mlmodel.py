@@ -5,6 +5,7 @@ default store."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,19 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 
-def fake_checkpoint(run: Path, step: int, val_loss: float | None) -> None:
+def fake_checkpoint(run: Path, step: int, val_loss: float | None, complete: bool = True) -> None:
+    """A one-rank checkpoint holding only its loop state: complete (its rank's listing of
+    what it wrote, as ``save_checkpoint`` writes it last) or not."""
+    from raylift.checkpoint import file_digest
+
     folder = run / f"checkpoint-step{step:08d}"
     folder.mkdir(parents=True)
     metrics = {} if val_loss is None else {"val_loss": val_loss}
     torch.save({"format": FORMAT, "metrics": metrics}, folder / LOOP_FILE)
+    if complete:
+        state = folder / LOOP_FILE
+        listed = {LOOP_FILE: {"size": state.stat().st_size, "xxh3": file_digest(state)}}
+        (folder / "complete-rank0.json").write_text(json.dumps(listed))
 
 
 def test_best_is_the_best_scored_checkpoint_and_the_later_on_a_tie(tmp_path: Path) -> None:
@@ -34,6 +43,18 @@ def test_best_is_the_best_scored_checkpoint_and_the_later_on_a_tie(tmp_path: Pat
     assert best is not None and best.endswith("checkpoint-step00000040")
     top = choose_checkpoint(str(tmp_path), "best", "val_loss", "max", log=lambda _: None)
     assert top is not None and top.endswith("checkpoint-step00000010")
+
+
+def test_best_passes_over_a_better_checkpoint_that_is_not_complete(tmp_path: Path) -> None:
+    """The best-scored checkpoint was never finished by its rank: the best complete one is
+    logged instead (the finished run ended in RunFailed)."""
+    fake_checkpoint(tmp_path, 10, 0.5)
+    fake_checkpoint(tmp_path, 20, 0.1, complete=False)
+    fake_checkpoint(tmp_path, 30, 0.7)
+    said: list[str] = []
+    best = choose_checkpoint(str(tmp_path), "best", "val_loss", "min", log=said.append)
+    assert best is not None and best.endswith("checkpoint-step00000010")
+    assert len(said) == 1 and "passing over" in said[0] and "step00000020" in said[0], said
 
 
 def test_best_follows_early_stopping_else_val_loss() -> None:

@@ -19,7 +19,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -34,7 +33,7 @@ from raylift.config import (
     nest,
     parse_overrides,
 )
-from raylift.storage import join, local_path, resolve
+from raylift.storage import join, resolve
 
 DISTRIBUTIONS = ("loguniform", "uniform", "randint", "choice", "grid")
 SCHEDULERS = ("asha", "median", "none")
@@ -236,7 +235,7 @@ class SweepResult:
     name: str
     rows: list[TrialRow]
     best: TrialRow | None
-    best_config: Path | None
+    best_config: str | None
     parent_run_id: str
     seconds: float
 
@@ -409,18 +408,16 @@ def _best(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:
     return pick(scored, key=lambda r: r.metric if r.metric is not None else math.inf)
 
 
-def _write_best(cfg: Config, best: TrialRow, storage: str) -> Path | None:
+def _write_best(cfg: Config, best: TrialRow, storage: str) -> str:
     """The best trial's full config at the config's own scale (not a trial's), as YAML
-    that ``raylift train`` takes as it is."""
+    that ``raylift train`` takes as it is, in the sweep's folder (local or a URI)."""
+    from raylift import storage as stores
+
     best_cfg = trial_config(cfg.to_dict(), best.params, f"{cfg.name}-best")
-    folder = local_path(storage)
-    if folder is None:  # nowhere on this machine to write it; the trial's params are in MLflow
-        return None
-    out = folder / cfg.name / "best.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = join(storage, cfg.name, "best.yaml")
     data = best_cfg.to_dict()
     data.pop("tune", None)
-    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    stores.write_text(out, yaml.safe_dump(data, sort_keys=False))
     return out
 
 

@@ -95,3 +95,24 @@ def test_searches_are_seeded_and_limit_concurrency() -> None:
     pytest.importorskip("optuna")
     optuna = search_alg(parse_sweep(load_config(SWEEP, ["tune.search=optuna"])), seed=0)
     assert isinstance(optuna, ConcurrencyLimiter) and optuna.max_concurrent == 2
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_the_best_config_is_written_beside_the_sweep_on_any_storage(
+    where: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """best.yaml goes into the sweep's folder, a local one or a bucket on the S3 server
+    (it was written only for local storage), and `raylift train` loads it from there."""
+    from raylift.tune import TrialRow, _write_best
+
+    storage = str(tmp_path / "runs")
+    if where == "s3":
+        request.getfixturevalue("s3_server")
+        storage = f"s3://runs/best-{tmp_path.name}"
+    cfg = load_config(SWEEP, [f"storage={storage}"])
+    best = TrialRow("t_00001", "TERMINATED", {"optim.lr": 0.0042}, 0.1, 3.0, "")
+    out = _write_best(cfg, best, storage)
+    assert out == f"{storage}/{cfg.name}/best.yaml"
+    loaded = load_config(out)
+    assert loaded.optim.lr == 0.0042 and loaded.tune is None
+    assert loaded.scaling.num_workers == cfg.scaling.num_workers

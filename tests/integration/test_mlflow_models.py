@@ -168,8 +168,12 @@ def test_an_hf_model_trained_under_fsdp_loads_with_from_pretrained(
     )
     model = AutoModelForCausalLM.from_pretrained(local)
     saved = load_file(str(Path(local) / "model.safetensors"))
-    for name, tensor in model.state_dict().items():
-        if name in saved:
-            torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0, msg=name)
+    state = model.state_dict()
+    # Every saved tensor is one the model has (a renamed key would be left out of the
+    # model, silently), and only the tied head, which shares the embedding, is not saved.
+    assert set(saved) <= set(state), set(saved) - set(state)
+    assert set(state) - set(saved) <= {"lm_head.weight"}, set(state) - set(saved)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
     note = json.loads((Path(local) / "raylift-model.json").read_text())
     assert note["format"] == "hf" and note["step"] == 4 and note["task"] == "hf-causal-lm"

@@ -123,9 +123,16 @@ def test_system_metrics_use_mlflows_names_and_need_no_device_sync() -> None:
 
 @pytest.mark.gpu
 def test_system_metrics_name_the_workers_gpu() -> None:
-    found = system_now(torch.device("cuda", 0))
-    assert found["system/gpu_0_memory_usage_megabytes"] >= 0
-    assert 0 <= found["system/gpu_0_memory_usage_percentage"] <= 100
+    """The GPU's memory in use rises by what this process takes, under MLflow's names."""
+    device, key = torch.device("cuda", 0), "system/gpu_0_memory_usage_megabytes"
+    before = system_now(device)[key]
+    held = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)
+    after = system_now(device)
+    assert after[key] - before >= 500, (before, after)  # the 512 MiB now held
+    total = torch.cuda.get_device_properties(device).total_memory / 2**20
+    percentage = after["system/gpu_0_memory_usage_percentage"]
+    assert percentage == pytest.approx(100 * after[key] / total, rel=1e-6)
+    del held
 
 
 def test_a_submitted_jobs_default_store_is_under_raylift_home(

@@ -46,6 +46,7 @@ class FakeCluster:
         self.address, self.jobs = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
         self.watch = root / "nodes.jsonl"
         self.hold = root / "hold"
+        self.times: dict[str, float] = {}  # the scenario's timeline: when each thing happened
 
     def env(self) -> dict[str, str]:
         """A user's shell on the head's host, pointed at this cluster."""
@@ -102,9 +103,11 @@ def fake_cluster(root: Path, shell: dict[str, str]) -> Iterator[FakeCluster]:
         token = subprocess.run([head[0], "get-auth-token", "--generate"], env=env, cwd=root,
                                capture_output=True, text=True, timeout=HANG_S)  # fmt: skip
         assert token.returncode == 0, token.stderr[-2000:]
+        fake.times["head started"] = time.time()
         started = subprocess.run(
             head, env=env, cwd=root, capture_output=True, text=True, timeout=HANG_S
         )
+        fake.times["head up"] = time.time()
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         watcher = subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "nodes_watch.py"), fake.address, str(fake.watch)],
@@ -152,6 +155,21 @@ def finish(proc: subprocess.Popen, what: str) -> str:
     return str(out)
 
 
+def finish_timed(cluster: FakeCluster, proc: subprocess.Popen, what: str, marks: dict) -> str:
+    """``finish``, recording in the timeline when the first line matching each of
+    ``marks`` (name -> pattern) came."""
+    lines = []
+    for line in proc.stdout:  # type: ignore[union-attr]
+        lines.append(line)
+        for name, pattern in marks.items():
+            if name not in cluster.times and re.search(pattern, line):
+                cluster.times[name] = time.time()
+    proc.wait(timeout=HANG_S)  # its output has ended
+    out = "".join(lines)
+    assert proc.returncode == 0, f"{what}:\n{out[-4000:]}"
+    return out
+
+
 def in_order(cluster: FakeCluster) -> dict[str, str]:
     """The checks, the submitted run and the elastic run, in order; each one's console."""
     bucket = f"s3://runs/{cluster.root.name}"
@@ -165,7 +183,8 @@ def in_order(cluster: FakeCluster) -> dict[str, str]:
     out["check-wrong-code"] = str(wrong.returncode)
     # A fixed-size run (2 workers) through the Jobs API: the head holds no CPU, so its
     # workers land on nodes the autoscaler launches for it.
-    out["submit"] = finish(
+    out["submit"] = finish_timed(
+        cluster,
         cluster.raylift(
             # The fake nodes share this disk: the job runs in the repository itself. (A
             # shipped copy would be unpacked again, under the driver, by each new node.)
@@ -174,6 +193,7 @@ def in_order(cluster: FakeCluster) -> dict[str, str]:
             cwd=REPO,
         ),
         "raylift submit",
+        {"submit's first step": r"^epoch\s+\d+\s+step\s+\d+/"},
     )  # fmt: skip
     out.update(elastic_run(cluster, common))
     return out
@@ -366,13 +386,12 @@ def test_the_idle_nodes_go_after_the_runs(cluster: FakeCluster, scenario: dict) 
             if cpus > 0:
                 first_seen.setdefault(n, t)
                 last_seen[n] = t
-    print(
-        f"nodes launched: {len(first_seen)}; "
-        + "; ".join(
-            f"{n[-6:]} up {first_seen[n] - history[0][0]:.0f} s, gone "
-            f"{last_seen[n] - history[0][0]:.0f} s after the head"
-            for n in sorted(first_seen, key=first_seen.get)  # type: ignore[arg-type]
-        )
-    )
+    start = cluster.times["head started"]
+    timeline = [(t, name) for name, t in cluster.times.items()]
+    for n in first_seen:
+        timeline += [(first_seen[n], f"node {n[-6:]} up"), (last_seen[n], f"node {n[-6:]} gone")]
+    print(f"nodes launched: {len(first_seen)}; timeline (s after `ray start --head`):")
+    for t, name in sorted(timeline):
+        print(f"  {t - start:6.0f}  {name}")
     _, nodes = history[-1]
     assert all(cpus == 0 for cpus in nodes.values()), nodes  # the head alone again

@@ -47,6 +47,12 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'raylift' has no attribute {name!r}")
+    if _LAZY[name] == "raylift.launch":
+        from raylift import console
+
+        # Before Ray's import reads them: a script or notebook that calls raylift.train()
+        # gets the console `raylift train` gets (raylift's lines without Ray's prefixes).
+        console.quiet_driver()
     value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value  # later lookups skip this hook
     return value

@@ -199,3 +199,28 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     damaged[len(damaged) // 2] ^= 0xFF
     storage.write_bytes(victim, bytes(damaged))
     assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12
+
+
+def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
+    ray_cluster: str, in_tmp: Path
+) -> None:
+    """``raylift.train(raylift.load_config(...))`` in a user's script: every line on its
+    console is raylift's or the script's own, none with Ray's ``(RayTrainWorker pid=...)``
+    prefix (the CLI alone was quiet)."""
+    script = in_tmp / "train.py"
+    overrides = ["train.max_steps=10", "train.early_stopping=null", "storage=./runs"]
+    script.write_text(
+        "import raylift\n"
+        f"cfg = raylift.load_config({str(QUICKSTART)!r}, {overrides!r})\n"
+        "result = raylift.train(cfg)\n"
+        "print('script: trained to step', result.metrics['step'])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=in_tmp, env=cli_env(), capture_output=True, text=True
+    )
+    lines = (done.stdout + done.stderr).splitlines()
+    assert done.returncode == 0, lines[-40:]
+    assert "script: trained to step 10" in lines, lines[-10:]
+    assert any(line.startswith("epoch ") for line in lines), lines
+    foreign = [line for line in lines if not line.startswith((*OURS, "script: "))]
+    assert not foreign, foreign

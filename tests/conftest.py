@@ -1,7 +1,8 @@
 """Test tiers: unit (no Ray), integration (one local Ray per session), slow, gpu.
 
-Compiled-op caches (DeepSpeed, inductor) live in a persistent folder so repeated
-runs do not rebuild them.
+The suite's caches (mypy's, inductor's compiled kernels, any DeepSpeed op, whatever
+would go under ~/.cache) live in ``RAYLIFT_TEST_CACHE``: ``.ci/run`` starts it empty, as
+on a fresh machine; a developer's runs keep ~/.cache/raylift-tests between them.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
         "import raylift\n"
         f"cfg = raylift.load_config({str(QUICKSTART)!r}, {overrides!r})\n"
         "result = raylift.train(cfg)\n"
-        "print('script: trained to step', result.metrics['step'])\n"
+        "print('script: trained to step', int(result.metrics['step']))\n"
     )
     done = subprocess.run(
         [sys.executable, str(script)], cwd=in_tmp, env=cli_env(), capture_output=True, text=True

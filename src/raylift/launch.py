@@ -210,7 +210,7 @@ def own_cluster_env() -> dict[str, str]:
     """
     import socket
 
-    from ray._private.services import get_node_ip_address
+    from ray.util import get_node_ip_address
 
     with socket.socket() as probe:  # a free port now; Ray binds it a moment later
         probe.bind(("", 0))
@@ -756,7 +756,7 @@ def _snippet(group: Any, rank: int) -> str:
     the driver without one)."""
     found = re.search(
         rf"\[Rank {rank} Error Snippet\]:\n(.*?)(?=\n\[Rank \d+ Error Snippet\]:|\Z)",
-        str(getattr(group, "_error_message", "")),
+        str(group),  # Ray Train's message: the ranks' snippets, after one line of its own
         re.DOTALL,
     )
     return found.group(1).strip() if found else ""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -374,12 +375,26 @@ def writable(where: str, key: str) -> None:
     cluster: a marker written, read back and deleted from this process. A store that
     cannot be reached (no such bucket, no credentials) raises :class:`EnvironmentProblem`
     naming the URI, the store's own message and the fix, before anything was written."""
+    made = _first_missing(where)
     problem, _ = storage_probe(where, uuid.uuid4().hex[:12], "driver")
+    if made is not None and made.exists() and not any(p.is_file() for p in made.rglob("*")):
+        shutil.rmtree(made, ignore_errors=True)  # the check leaves no folder behind
     if problem:
         raise EnvironmentProblem(
             f"{key}: {problem}; check the URI (its bucket), this machine's credentials "
             f"and network, or set {key} to a place you can write"
         )
+
+
+def _first_missing(where: str) -> Path | None:
+    """The outermost folder of a local ``where`` that does not exist yet (None: none, or a
+    URI, where a marker's write makes no folder)."""
+    local = storage.local_path(where)
+    if local is None or local.exists():
+        return None
+    while not local.parent.exists():
+        local = local.parent
+    return local
 
 
 def before_workers(cfg: Config) -> list[str]:

@@ -103,3 +103,15 @@ def test_storage_that_cannot_be_written_is_one_line_and_exit_2_on_any_cluster(
     assert bad in lines[0] and "check the URI" in lines[0], lines[0]
     assert "Traceback" not in done.stderr and not done.stdout.strip(), done.stdout
     assert not (tmp_path / "mlflow.db").exists()  # nothing started
+
+
+def test_the_storage_check_leaves_no_folder_behind(tmp_path: Path) -> None:
+    """The marker's write makes the folders it needs; the check removes those it made."""
+    from raylift.check import writable
+
+    where = tmp_path / "a" / "b" / "shards"
+    writable(str(where), "data.shards")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    writable(str(tmp_path / "kept"), "storage")
+    assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())

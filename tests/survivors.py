@@ -19,8 +19,9 @@ MARK = "RAYLIFT_TEST_SUITE"
 
 
 def mark_suite() -> str:
-    """Mark this process's environment, so that every process started from now on carries it."""
-    os.environ[MARK] = os.environ.get(MARK) or uuid.uuid4().hex
+    """Mark this process's environment, so that every process started from now on carries
+    it. A new mark each time: a suite started from inside another checks only its own."""
+    os.environ[MARK] = uuid.uuid4().hex
     return os.environ[MARK]
 
 

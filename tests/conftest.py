@@ -61,13 +61,9 @@ def group(item: pytest.Item) -> str | None:
     return "ray" if on_ray(item) else None
 
 
-def order(item: pytest.Item) -> int:
-    return lane(item)
-
-
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=order)  # stable: within a lane, as collected
+    items.sort(key=lane)  # stable: within a lane, as collected
     for item in items:
         if name := group(item):
             item.add_marker(pytest.mark.xdist_group(name))

@@ -121,7 +121,7 @@ def gpu_facts() -> tuple[str, str, float]:
 
     Read without taking a GPU: Ray hides the GPUs from a task that asks for none (the
     probe asks for none, or it would wait behind a running job), so the memory comes from
-    the driver's ``nvidia-smi`` and the versions from torch's build, neither of which
+    NVIDIA's ``nvidia-smi`` and the versions from torch's build, neither of which
     needs a visible device or a CUDA context."""
     import torch
 
@@ -137,7 +137,6 @@ def gpu_facts() -> tuple[str, str, float]:
 
 def gpu_memory_gib(smi: str | None = None) -> float:
     """The smallest GPU's memory on this node, in GiB, from ``nvidia-smi`` (0: none)."""
-    import shutil
     import subprocess
 
     smi = smi or shutil.which("nvidia-smi")

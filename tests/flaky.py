@@ -74,3 +74,27 @@ class BrokenDigits(DigitsTask):
         if self.calls == self.break_at and dist.get_rank() == 0:
             raise ValueError(f"shapes do not match at call {self.calls}: a bug in the task")
         return super().loss(model, batch)
+
+
+class CrashingDigits(DigitsTask):
+    """Digits whose ``build_model`` prints a line on every rank, and whose rank 1 crashes
+    at its ``crash_at``-th training loss as a user's native code would: ``segv`` reads
+    address 0 (``ctypes.string_at(0)``), ``abort`` calls ``os.abort()``."""
+
+    def __init__(self, how: str = "segv", crash_at: int = 5, **kwargs: object):
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.how, self.crash_at, self.calls = how, crash_at, 0
+
+    def build_model(self) -> nn.Module:
+        print("user: building the model")  # raylift adds the rank
+        return super().build_model()
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.crash_at and dist.get_rank() == 1:
+            if self.how == "abort":
+                os.abort()
+            import ctypes
+
+            ctypes.string_at(0)
+        return super().loss(model, batch)

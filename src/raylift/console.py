@@ -1,55 +1,38 @@
-"""A quiet console by default: raylift's own lines, and nothing a user cannot act on.
+"""The console shows raylift's lines, what the user's own code prints, and every error.
 
-Ray, MLflow and DeepSpeed each print start-up chatter (a token-auth notice, database
-migrations, C++ core-worker lines), and torch, DeepSpeed and fairscale warn from the
-workers (ZeRO-3 about 20 deprecation warnings a step). All of it goes to Ray's log files
-under its session folder (the workers' warnings to ``raylift-warnings-<pid>.log``, each
-once); the console shows it only with ``RAYLIFT_VERBOSE=1`` (``--verbose``). Errors are
-never hidden: a failed run's message is raylift's own.
+The rule is who wrote a line, not what it looks like. Every raylift process (the driver,
+each Ray Train worker, the controller's fault reporter, the data preprocessing tasks)
+writes through a :class:`Router` on ``sys.stdout`` and ``sys.stderr`` that asks which
+code called ``write``: raylift's package (its own lines), the user's code (a ``print`` in
+a task's ``build_model``), or a library (Ray, torch, DeepSpeed, MLflow, the standard
+library's ``logging`` and ``warnings``). In a Ray process the first two are tagged at
+their source (:func:`tag`) and everything goes on to the file Ray forwards to the driver;
+the driver shows tagged lines (each once, a user's with its rank) and writes everything
+else, whole, to the run's log file, named on the console when the run starts. What
+processes write below Python (C++ log lines, a faulthandler dump) is never tagged: it is
+in the log file, and a crash's own report shows its last lines (:mod:`raylift.faults`).
+``--verbose`` (``RAYLIFT_VERBOSE=1``) routes nothing: the console shows everything.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
+import functools
 import logging
-import math
 import os
 import re
+import site
+import sys
+import sysconfig
+import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 VERBOSE_ENV = "RAYLIFT_VERBOSE"
-
-# What Ray's C++ side writes to the worker, raylet and GCS logs its driver forwards:
-# its own log lines (``[2026-01-01 00:00:00,000 E 123 456] core_worker.cc:12: ...``),
-# abseil's raw lines (``[mutex.cc : 452] RAW: Lock blocking ...``), and the failure
-# signal handler's dump of a C++ stack (``*** SIGSEGV received at ...``, ``PC: @ ...``,
-# ``    @     0x7f543545a050       9104  (unknown)``), torch's C++ warnings, and Python's
-# faulthandler dump of a process that aborts (``Fatal Python error: Aborted``). A
-# process that dies this way is reported by raylift in its own words; the lines stay in
-# Ray's log files (the worker's own).
-CPP_LINE = re.compile(
-    r"^(\[\d{4}-\d\d-\d\d [\d:,.]+ [DIWEF] \d+ \d+\] \S+\.(cc|h):\d+"
-    # torch's C++ (c10d) warnings: ``[W1126 01:48:03.303881950 socket.cpp:207] [c10d] ...``
-    r"|\[[IWE]\d{4} [\d:.]+ \S+\.(cpp|cc|h):\d+\] "
-    r"|\[\S+\.(cc|h) ?: ?\d+\] RAW: "
-    r"|\*\*\* SIG[A-Z]+ received at "
-    r"|PC: @ "
-    r"|\s+@\s+0x[0-9a-f]+\s"
-    # Python's faulthandler, when such a process aborts (a worker ending while a native
-    # thread still runs): the error, its threads' frames, which it writes as ``line 12 in
-    # f`` where a Python traceback writes ``line 12, in f``, and its list of modules.
-    r"|Fatal Python error: "
-    r"|Python runtime state: "
-    r"|(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):"
-    r'|\s+File ".*", line \d+ in \S+$'
-    r"|\s+<no Python frame>"
-    r"|Extension modules: )"
-)
+LOG_DIR_ENV = "RAYLIFT_LOG_DIR"  # where runs' log files go; default ./raylift-logs
 
 
 def verbose() -> bool:
@@ -60,19 +43,19 @@ def quiet_env() -> dict[str, str]:
     """Environment for every process of a run: libraries log warnings and worse only."""
     if verbose():
         return {VERBOSE_ENV: "1"}
-    return {"MLFLOW_LOGGING_LEVEL": "WARNING"}
+    return {"MLFLOW_LOGGING_LEVEL": "WARNING", "RAY_TQDM_PATCH_PRINT": "0"}
 
 
 def quiet_driver() -> None:
-    """Before this process imports Ray: raylift's worker lines print without Ray's
-    ``(RayTrainWorker pid=...)`` prefix, as the lines of the command they are, and a
-    sweep prints raylift's trial table, not Ray Tune's (its newer console prints a
-    configuration box and a TensorBoard hint whatever ``verbose`` says; the older one
-    honours ``verbose=0``)."""
+    """Before this process imports Ray, where it can: the log file gets Ray's forwarded
+    lines without colour codes and each line as written (Ray would fold lines several
+    workers print alike), and a sweep's console is raylift's trial table, not Ray Tune's
+    (its newer console prints a configuration box whatever ``verbose`` says)."""
     if not verbose():
-        os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
-        # Ray folds lines that several workers print alike (each trial's "raylift: strategy
-        # ddp") into one, prefixed with the first worker's name: each line is kept, as is.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read at each print
+        # Ray's progress bars replace ``print`` with theirs, which would make every print
+        # in the driver a line Ray's module wrote (read when the first bar's manager starts).
+        os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
@@ -82,140 +65,279 @@ def ray_logging_level() -> int:
     return logging.INFO if verbose() else logging.ERROR
 
 
-# What Ray's own processes (not the run's workers) push to the driver: the raylet's
-# warnings ("N worker processes have been started ... high concurrency"), the autoscaler's
-# status. They are written to a file in Ray's logs folder instead of the console.
-RAY_PROCESSES = ("raylet", "autoscaler", "gcs_server")
+# ------------------------------------------------------------------ who wrote a line
+
+RAYLIFT, USER, LIBRARY, ERROR = "raylift", "user", "library", "error"
+_RAYLIFT_ROOT = str(Path(__file__).resolve().parent) + os.sep
 
 
-def filter_worker_logs() -> None:
-    """Keep Ray's own lines off what this driver prints of the cluster's output.
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where installed code lives: the standard library and every site-packages."""
+    paths = sysconfig.get_paths()
+    roots = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    roots.update(site.getsitepackages() if hasattr(site, "getsitepackages") else [])
+    roots.add(site.getusersitepackages())
+    roots.add(sys.prefix)  # a venv's own lib folder; user code is never inside it
+    roots.add(sys.base_prefix)
+    return tuple(sorted({str(Path(r).resolve()) + os.sep for r in roots if r}))
 
-    Ray offers no setting for this: its driver prints whatever its log monitor reads and
-    whatever Ray's processes publish, so both of its print paths are swapped for one that
-    filters: C++ log lines are dropped (they are in Ray's log files), and the messages of
-    Ray's own processes go to ``raylift-ray-messages-<pid>.log`` in Ray's logs folder. If
-    Ray's internals moved, the console stays as Ray left it.
-    """
-    if verbose():
-        return
+
+@functools.cache
+def origin(filename: str) -> str:
+    """Whose code ``filename`` is: raylift's, an installed library's, or the user's (a
+    task module in their folders, one Ray shipped with the job, a notebook cell)."""
+    if filename.startswith("<"):  # <frozen importlib>, or <stdin>, <string>, <ipython-...>
+        return LIBRARY if filename.startswith("<frozen") else USER
+    path = str(Path(filename).resolve())
+    if path.startswith(_RAYLIFT_ROOT):
+        return RAYLIFT
+    return LIBRARY if path.startswith(_library_roots()) else USER
+
+
+def _writer() -> str:
+    """Whose code called ``write`` (two frames up: Router.write's caller); ERROR for a
+    library's logging record of level ERROR or worse, which the console shows."""
     try:
-        import ray._private.worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
-        return
-    found = [h for name, h in getattr(dispatcher, "handlers", []) if name == "ray_print_logs"]
-    if len(found) != 1:
-        return
-    printer = found[0]
-
-    def filtered(data: dict[str, Any]) -> None:
-        if (shown := _kept(data)) is not None:
-            printer(shown)
-
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", filtered)
-    original = getattr(ray_worker, "print_to_stdstream", None)
-    if original is None or hasattr(original, "_raylift_original"):
-        return
-
-    def published(data: dict[str, Any], ignore_prefix: bool) -> None:
-        if (shown := _kept(data)) is not None:
-            original(shown, ignore_prefix)
-
-    published._raylift_original = original  # type: ignore[attr-defined]
-    ray_worker.print_to_stdstream = published  # Ray's error listener calls it by name
+        frame = sys._getframe(2)
+    except ValueError:  # no Python caller: the interpreter itself (an uncaught error)
+        return USER
+    who = origin(frame.f_code.co_filename)
+    if who == LIBRARY and frame.f_code.co_name == "emit":  # logging's StreamHandler.emit
+        record = frame.f_locals.get("record")
+        if isinstance(record, logging.LogRecord) and record.levelno >= logging.ERROR:
+            return ERROR
+    return who
 
 
-def _kept(data: dict[str, Any]) -> dict[str, Any] | None:
-    """What of one batch of forwarded lines the console shows; None: nothing."""
-    if data.get("pid") in RAY_PROCESSES:
-        with _ray_messages_file().open("a") as out:
-            out.writelines(f"({data.get('pid')}) {line}\n" for line in data.get("lines", []))
+# ------------------------------------------------------------------ tags
+
+# A line for the console, from a Ray process: MARK, the writer's pid, the line's number in
+# that process and the user's rank (letters only, so Ray's log deduplication, which drops
+# words with digits before comparing lines, never folds two of them), MARK, the text.
+MARK = "\x1f"  # ASCII unit separator: no library prints it, and no line ends at it
+_TAGGED = re.compile(MARK + r"rl([a-z]+)\.([a-z]+)\.([a-z]*)" + MARK)
+
+
+def _letters(n: int) -> str:
+    out = ""
+    while True:
+        n, digit = divmod(n, 26)
+        out = chr(ord("a") + digit) + out
+        if n == 0:
+            return out
+
+
+def _number(letters: str) -> int:
+    n = 0
+    for c in letters:
+        n = n * 26 + ord(c) - ord("a")
+    return n
+
+
+def tag(text: str, seq: int, rank: int | None, pid: int | None = None) -> str:
+    who = "" if rank is None else _letters(rank)
+    return f"{MARK}rl{_letters(pid or os.getpid())}.{_letters(seq)}.{who}{MARK}{text}"
+
+
+def untag(line: str) -> tuple[tuple[str, str], int | None, str] | None:
+    """(the line's key, the user's rank or None for raylift's, its text), or None."""
+    found = _TAGGED.search(line)
+    if found is None:
         return None
-    # Blank lines too: a worker's flush can forward one, between raylift's lines.
-    lines = [ln for ln in data.get("lines", []) if ln.strip() and not CPP_LINE.match(ln)]
-    lines = _FORWARDED.first_copies(data.get("ip"), data.get("pid"), lines)
-    return {**data, "lines": lines} if lines else None
+    rank = _number(found.group(3)) if found.group(3) else None
+    return (found.group(1), found.group(2)), rank, line[found.end() :]
 
 
-class Forwarded:
-    """Drops the copies of a line that several nodes on one host forward.
+# ------------------------------------------------------------------ routing
 
-    Nodes that share one host share its logs folder (Ray's fake multinode nodes, the
-    autoscaling cluster of ``cluster/local-fake.yaml``), and each node's log monitor
-    forwards every worker's file: each line would print once per node, from the same
-    address and pid. Where several alive nodes share an address, a line is a copy when
-    the same text from the same process came in another batch within ``window_s``. On a
-    cluster of one node per host nothing is dropped."""
 
-    RECHECK_S = 10.0  # how often to ask the cluster whether nodes share a host
+class Sink(Protocol):
+    def line(self, stream: TextIO, kind: str, text: str) -> None: ...
 
-    def __init__(self, window_s: float = 5.0, shared: Callable[[], bool] | None = None):
-        self.window_s = window_s
-        self.shared = shared or self._nodes_share_a_host
-        self.seen: dict[tuple[Any, Any, str], tuple[int, float]] = {}
-        self.batches = 0
-        self._checked_at, self._shared = -math.inf, False
 
-    def first_copies(self, ip: Any, pid: Any, lines: list[str]) -> list[str]:
-        if not lines or not self.shared():
-            return lines
-        now, self.batches = time.monotonic(), self.batches + 1
-        if len(self.seen) > 10_000:  # forget what is past the window
-            self.seen = {k: v for k, v in self.seen.items() if now - v[1] < self.window_s}
-        kept = []
+class Router:
+    """``sys.stdout`` or ``sys.stderr`` of a raylift process: each line goes to ``sink``
+    with whose code began it. Other threads' lines stay whole (a buffer per thread)."""
+
+    def __init__(self, stream: TextIO, sink: Sink):
+        self.stream, self.sink = stream, sink
+        self._partial: dict[int, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        return self._route(text, _writer())
+
+    def writelines(self, lines: Any) -> None:
+        who = _writer()
         for line in lines:
-            first = self.seen.get((ip, pid, line))
-            if first and first[0] != self.batches and now - first[1] < self.window_s:
-                continue
-            self.seen[(ip, pid, line)] = (self.batches, now)
-            kept.append(line)
-        return kept
+            self._route(line, who)
 
-    def _nodes_share_a_host(self) -> bool:
-        now = time.monotonic()
-        if now - self._checked_at > self.RECHECK_S:
-            import ray
+    def _route(self, text: str, who: str) -> int:
+        with self._lock:
+            kind, buf = self._partial.pop(threading.get_ident(), (who, ""))
+            buf += text
+            while "\n" in buf:
+                line, buf = buf.split("\n", 1)
+                self.sink.line(self.stream, kind, line)
+                kind = who
+            if buf:
+                self._partial[threading.get_ident()] = (kind, buf)
+        return len(text)
 
-            try:
-                ips = [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
-            except Exception:  # not connected, or the GCS is busy: one node per host
-                ips = []
-            self._checked_at, self._shared = now, len(ips) != len(set(ips))
-        return self._shared
+    def flush(self) -> None:
+        self.stream.flush()
 
+    def isatty(self) -> bool:
+        return self.stream.isatty()
 
-_FORWARDED = Forwarded()
+    def fileno(self) -> int:  # faulthandler and subprocess write to the descriptor itself
+        return self.stream.fileno()
 
-
-def _ray_messages_file() -> Path:
-    import tempfile
-
-    import ray._private.worker as ray_worker
-
-    node = ray_worker.global_worker.node
-    logs = node.get_logs_dir_path() if node is not None else tempfile.gettempdir()
-    return Path(logs) / f"raylift-ray-messages-{os.getpid()}.log"
+    def __getattr__(self, name: str) -> Any:  # encoding, errors, buffer, ...
+        return getattr(self.stream, name)
 
 
-def warnings_to_ray_logs(logs_dir: str | None = None) -> Path | None:
-    """In a Ray worker: Python warnings go to ``raylift-warnings-<pid>.log`` in Ray's logs
-    folder, each distinct one once, instead of to stderr, which Ray forwards to the
-    driver's console. Returns the file; None with ``--verbose`` (the console shows them)."""
+class RaySink:
+    """In a Ray process: raylift's and the user's lines tagged, all on to Ray's file."""
+
+    def __init__(self, rank: int | None):
+        self.rank, self.seq = rank, 0
+
+    def line(self, stream: TextIO, kind: str, text: str) -> None:
+        if kind != LIBRARY and MARK not in text:
+            self.seq += 1
+            text = tag(text, self.seq, self.rank if kind == USER else None)
+        stream.write(text + "\n")
+        stream.flush()  # Ray forwards what is in the file; a console line should not wait
+
+
+class DriverSink:
+    """In the driver: console lines (tagged ones once each) to the console; all lines to
+    the log file, opened at its first line."""
+
+    def __init__(self, log: Path):
+        self.log = log
+        self._file: TextIO | None = None
+        self._shown: set[tuple[str, str]] = set()
+
+    def line(self, stream: TextIO, kind: str, text: str) -> None:
+        tagged = untag(text)
+        if tagged is not None:
+            key, rank, text = tagged
+            # Nodes that share a host share its logs folder, and each one's log monitor
+            # forwards every worker's file: the same line, by its key, twice.
+            if key in self._shown:
+                return
+            if len(self._shown) > 100_000:
+                self._shown.clear()
+            self._shown.add(key)
+            text = text if rank is None else f"[rank {rank}] {text}"
+        if tagged is not None or kind != LIBRARY:
+            stream.write(text + "\n")
+            stream.flush()
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self._file is None:
+            self.log.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.log.open("a", buffering=1)
+        self._file.write(text + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _install(sink_for: Any) -> None:
+    for name in ("stdout", "stderr"):
+        current = getattr(sys, name)
+        stream = current.stream if isinstance(current, Router) else current
+        router = Router(stream, sink_for(name))
+        setattr(sys, name, router)
+        _repoint_handlers(stream, router)
+
+
+def _repoint_handlers(stream: TextIO, router: Router) -> None:
+    """Logging handlers made before routing hold the terminal's stream (Ray Data's, when
+    a task module imports Ray at its top): they write through ``router`` instead."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for lg in loggers:
+        for handler in getattr(lg, "handlers", []):
+            if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
+                handler.setStream(router)
+
+
+def route_ray_process(rank: int | None = None) -> None:
+    """In a Ray worker, controller or task raylift runs code in: tag the console's lines
+    (the user's with ``rank``). Idempotent; nothing with ``--verbose``."""
     if verbose():
+        return
+    if _in_ray_process() and getattr(sys.stdout, "sink", None).rank == rank:  # type: ignore[union-attr]
+        return
+    sinks = {name: RaySink(rank) for name in ("stdout", "stderr")}
+    _install(sinks.__getitem__)
+
+
+_started: dict[str, Path] = {}
+
+
+def _in_ray_process() -> bool:
+    current = sys.stdout
+    return isinstance(current, Router) and isinstance(current.sink, RaySink)
+
+
+def log_dir() -> Path:
+    return Path(os.environ.get(LOG_DIR_ENV) or Path.cwd() / "raylift-logs")
+
+
+def start_log(name: str) -> Path | None:
+    """This command's log file, from now on: what Ray, torch, DeepSpeed and MLflow print,
+    the workers' included. Named once on the console; None with ``--verbose``."""
+    if verbose() or _in_ray_process():
         return None
-    if logs_dir is None:
-        import ray._private.worker
+    if (known := _started.get(name)) is not None and current_log() == known:
+        return known  # this run's driver started it already (prep, then train)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "raylift"
+    path = log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    route_driver(path)
+    _started[name] = path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+    print(f"raylift: the log of everything else (Ray, torch, libraries): {path}", flush=True)
+    return path
 
-        node = ray._private.worker.global_worker.node
-        if node is None:  # not in a Ray worker: nothing to route them to
-            return None
-        logs_dir = node.get_logs_dir_path()
-    path = Path(logs_dir) / f"raylift-warnings-{os.getpid()}.log"
+
+def route_driver(log: Path) -> None:
+    """This process's lines by the rule, the rest to ``log`` (one file for both streams)."""
+    current = sys.stdout
+    if isinstance(current, Router) and isinstance(current.sink, DriverSink):
+        previous = current.sink
+        if previous.log == log:
+            return
+        previous.close()
+    sink = DriverSink(log)
+    _install(lambda _name: sink)
+
+
+def current_log() -> Path | None:
+    current = sys.stdout
+    if isinstance(current, Router) and isinstance(current.sink, DriverSink):
+        return current.sink.log
+    return None
+
+
+def warnings_once() -> None:
+    """In a Ray worker: each distinct Python warning once (to stderr, so to the log file).
+    Libraries reset the warning registry (``catch_warnings``), so ZeRO-3's deprecation
+    warnings would come back every step."""
+    if verbose():
+        return
     seen: set[tuple[Any, ...]] = set()
+    show = warnings.showwarning
 
-    def to_file(
+    def once(
         message: Warning | str,
         category: type[Warning],
         filename: str,
@@ -223,17 +345,12 @@ def warnings_to_ray_logs(logs_dir: str | None = None) -> Path | None:
         file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
-        # Libraries reset the warning registry (catch_warnings), so the same warning from
-        # the same line would come back every step: written once here.
         key = (category, str(message), filename, lineno)
-        if key in seen:
-            return
-        seen.add(key)
-        with path.open("a") as out:
-            out.write(warnings.formatwarning(message, category, filename, lineno, line))
+        if key not in seen:
+            seen.add(key)
+            show(message, category, filename, lineno, file, line)
 
-    warnings.showwarning = to_file
-    return path
+    warnings.showwarning = once
 
 
 # Loggers of libraries that write to the console from raylift's own process.
@@ -241,26 +358,24 @@ LIBRARY_LOGGERS = ("DeepSpeed", "torch", "transformers")
 
 
 @contextlib.contextmanager
-def library_quiet() -> Iterator[None]:
-    """What libraries print, log below ERROR or warn inside this block is dropped, unless
-    ``--verbose``: DeepSpeed's checkpoint converter prints a note per step and draws
-    progress bars. Exceptions still propagate, with their messages."""
+def library_quiet(name: str = "raylift") -> Iterator[None]:
+    """Inside this block what libraries print, log or warn goes to a log file (DeepSpeed's
+    checkpoint converter prints a note per step and draws progress bars); raylift's lines,
+    the user's and other threads' are shown as ever. Exceptions propagate."""
     if verbose():
         yield
         return
-    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
-    levels = [lg.level for lg in loggers]
-    sink = io.StringIO()
+    if current_log() is None:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
+        route_driver(log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    # Their handlers hold the stream they were made with (the terminal, before routing):
+    # for the block, one that writes to sys.stderr, a library's line to the log.
+    loggers = [logging.getLogger(n) for n in LIBRARY_LOGGERS]
+    saved = [(lg.handlers, lg.propagate) for lg in loggers]
     try:
         for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with (
-            warnings.catch_warnings(),
-            contextlib.redirect_stdout(sink),
-            contextlib.redirect_stderr(sink),
-        ):
-            warnings.simplefilter("ignore")
-            yield
+            lg.handlers, lg.propagate = [logging.StreamHandler()], False
+        yield
     finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+        for lg, (handlers, propagate) in zip(loggers, saved, strict=True):
+            lg.handlers, lg.propagate = handlers, propagate

@@ -99,3 +99,5 @@ class WorkerContext:
     probe: Probe | None = None
     now: Clock = time.perf_counter  # what step times are measured with; tests pass their own
     startup: Startup | None = None  # phases so far; the loop adds step-0 eval and first step
+    # Every rank, at each logging interval: its node's memory for a crash's report.
+    heartbeat: Callable[[], None] = lambda: None

@@ -38,7 +38,7 @@ WORKER_ENV = {
     # Ray Train collects reports by polling; 2 s per poll would stall every epoch-end report.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
     "RAY_DATA_DISABLE_PROGRESS_BARS": "1",
-    # Quiet by default: raylift prints its own progress lines; Ray's go to its log files.
+    # Quiet by default: raylift prints its own progress lines; Ray's go to the run's log.
     "RAY_DATA_LOG_LEVEL": "ERROR",
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
     "PYTHONWARNINGS": "ignore::DeprecationWarning",
@@ -97,6 +97,7 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     """Join ``RAY_ADDRESS`` if set, else start a private local Ray for this run."""
     import ray
 
+    console.start_log(cfg.name)  # before Ray's start-up prints anything
     if ray.is_initialized():
         return
     env = dict(WORKER_ENV)
@@ -131,7 +132,6 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
                 logging_level=console.ray_logging_level(),
                 log_to_driver=True,
             )
-        console.filter_worker_logs()
         return
     env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, os.environ.get("PYTHONPATH")) if p)
     env.update(own_cluster_env())
@@ -146,7 +146,6 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
         logging_level=console.ray_logging_level(),
         log_to_driver=True,
     )
-    console.filter_worker_logs()
 
 
 def job_env_vars() -> dict[str, str]:
@@ -253,7 +252,13 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
     from raylift.faults import FaultReporter
 
     # A Train V2 UserCallback, which ray.train's V1 type hints do not know.
-    faults: Any = FaultReporter(cfg.train.max_failures, storage.join(where, cfg.name))
+    log = console.current_log()
+    faults: Any = FaultReporter(
+        cfg.train.max_failures,
+        storage.join(where, cfg.name),
+        spec.tracking,
+        str(log) if log else None,
+    )
     sc = cfg.scaling
     resources = worker_resources(cfg)
     start_timeout, retries = placement_bounds(sc.placement_timeout_s, _USER_ATTEMPT_S)
@@ -352,6 +357,7 @@ def train(
     probe; the CLI passes the start-up clock it began at its process's start (else it
     begins here). ``lock``: hold the run's lock (:mod:`raylift.runlock`), on any storage.
     """
+    console.start_log(cfg.name)
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
     if lock:  # a sweep's trials run in the sweep's storage, which it checked
         writable(storage.resolve(cfg.storage), "storage")

@@ -424,6 +424,7 @@ class Trainer:
     def _log_interval(self, interval: Interval) -> None:
         if interval.micro_batches == 0:
             return
+        self.ctx.heartbeat()
         # The interval's host syncs: one sum and one max over ranks, the NaN check riding along.
         loss_sum_t, count_t, bad = interval.summary()
         (loss_sum, count), timing, worst = self.meter.reduce(

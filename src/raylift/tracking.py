@@ -345,6 +345,19 @@ class Store:
     def __init__(self, uri: str):
         self.uri = uri
         self._client: Any = None
+        self._workers: dict[str, dict[str, Any]] = {}
+
+    # The run's worker processes by actor id, for a crash's report (raylift.faults): its
+    # rank, node, pid and stderr file, and its node's memory at its last logging interval.
+    def worker_started(self, actor_id: str, record: dict[str, Any]) -> None:
+        self._workers[actor_id] = dict(record)
+
+    def worker_memory(self, actor_id: str, used: float, total: float) -> None:
+        if actor_id in self._workers:
+            self._workers[actor_id]["memory"] = (used, total)
+
+    def worker_record(self, actor_id: str) -> dict[str, Any] | None:
+        return self._workers.get(actor_id)
 
     @property
     def client(self) -> Any:

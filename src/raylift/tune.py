@@ -198,8 +198,10 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
     from ray import tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
+    from raylift import console
     from raylift.launch import train
 
+    console.route_ray_process()
     trial_id = tune.get_context().get_trial_id()
     cfg = trial_config(sweep["base"], params, f"{sweep['name']}-{trial_id}")
     train(

@@ -54,9 +54,10 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         startup.mark("worker")
     # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
     logging.getLogger().setLevel(logging.WARNING)
-    console.warnings_to_ray_logs()
     rt = ray.train.get_context()
     rank, world = rt.get_world_rank(), rt.get_world_size()
+    console.route_ray_process(rank)  # its lines and the user's prints reach the console
+    console.warnings_once()
     check_shared(spec)
     if rank == 0 and startup is not None and restarted(spec, startup):
         # Ray Train restarted the group after a failure: this command's start-up stands as
@@ -127,11 +128,44 @@ def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
         log=print0(rank),
         probe=_probe(spec.probe),
         startup=spec.startup,
+        heartbeat=register_process(spec.tracking, rank),
     )
     trainer = Trainer(cfg, task, ctx)
     if spec.startup is not None:
         spec.startup.mark("build")
     return trainer
+
+
+def register_process(tracking: Any, rank: int) -> Any:
+    """This worker process, known to the tracking actor (no wait) so that a crash can be
+    reported with its stderr; returns the heartbeat that sends its node's memory."""
+    import os
+    import socket
+
+    import psutil
+    import ray
+
+    from raylift.faults import own_stderr
+
+    actor_id = ray.get_runtime_context().get_actor_id()
+    if tracking is None or actor_id is None:
+        return lambda: None
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "host": socket.gethostname(),
+        "stderr": own_stderr(),
+    }
+    tracking.worker_started.remote(actor_id, record)
+
+    def heartbeat() -> None:
+        vm = psutil.virtual_memory()
+        tracking.worker_memory.remote(actor_id, float(vm.total - vm.available), float(vm.total))
+
+    heartbeat()  # a crash before the first logging interval has its node's memory too
+    return heartbeat
 
 
 def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -> Any:

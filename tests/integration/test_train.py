@@ -155,11 +155,24 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
     assert f"run 'kill' is already running: pid {killed.pid}" in second.stderr
     assert marker.read_text().startswith("killed pid"), "rank 1 was never killed"
-    # The console: raylift's lines only; the fault is one of them, naming what and where.
+    # The console: raylift's lines only (and the end of the dead process's stderr); the
+    # crash names how it died and its node's memory, the fault line what raylift does.
     lines = out.splitlines()
-    assert not [line for line in lines if not line.startswith(OURS)], out
+    assert not [line for line in lines if not line.startswith((*OURS, "    "))], out
+    (crash,) = [
+        line for line in lines if "without a Python error" in line and "failed:" not in line
+    ]
+    assert (
+        crash.startswith("raylift: worker rank 1 on node ")
+        and "SIGKILL, often the kernel's OOM killer; node " in crash
+    )
+    assert re.search(r"had [\d.]+ of [\d.]+ GiB in use at its last logging interval", crash), crash
+    (where,) = [line for line in lines if line.startswith("raylift: its stderr: ")]
+    stderr_file = where.split("its stderr: ")[1].split(" on node ")[0]
+    run_log = where.split("this run's log: ")[1]
+    assert Path(stderr_file).is_file() and Path(run_log).is_file(), where
     (fault,) = [line for line in lines if "failed:" in line]
-    assert fault.startswith("raylift: worker rank 1 on node ") and "its process died" in fault
+    assert fault.startswith("raylift: worker rank 1 on node ") and "(pid " in fault
     assert fault.endswith(
         f"restarting the workers from {run}/checkpoint-step00000004 (restart 1 of 1)"
     )
@@ -199,6 +212,43 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     damaged[len(damaged) // 2] ^= 0xFF
     storage.write_bytes(victim, bytes(damaged))
     assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12
+
+
+@pytest.mark.parametrize("how", ["segv", "abort"])
+def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
+    ray_cluster: str, in_tmp: Path, how: str
+) -> None:
+    """Rank 1 crashes in the user's code at step 5 (a read of address 0, os.abort()): the
+    console names the rank, node and signal, shows the end of the process's stderr (its
+    faulthandler dump, which names the user's frame for a segfault) and two log files that
+    exist; the user's print in build_model shows once per rank; nothing else shows."""
+    cmd = [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), f"name={how}",
+           "task=tests.flaky:CrashingDigits", f"task_args={{how: {how}, width: 8}}",
+           "train.max_failures=0", "train.max_steps=10", "tracking.log_model=none"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    lines = out.splitlines()
+    signal = {"segv": "SIGSEGV (Segmentation fault)", "abort": "SIGABRT (Aborted)"}[how]
+    (crash,) = [line for line in lines if f"died by {signal}:" in line]
+    assert crash.startswith("raylift: worker rank 1 on node "), crash
+    tail = lines[lines.index(crash) + 1 :]
+    tail = tail[: next(i for i, line in enumerate(tail) if not line.startswith("    "))]
+    assert 0 < len(tail) <= 20 and f"    Fatal Python error: {signal.split('(')[1][:-1]}" in tail
+    if how == "segv":
+        assert any('tests/flaky.py", line' in line and " in loss" in line for line in tail), tail
+    (where,) = [line for line in lines if line.startswith("raylift: its stderr: ")]
+    stderr_file = where.split("its stderr: ")[1].split(" on node ")[0]
+    run_log = where.split("this run's log: ")[1]
+    assert Path(stderr_file).is_file() and Path(run_log).is_file(), where
+    assert f"raylift: the log of everything else (Ray, torch, libraries): {run_log}" in lines
+    assert "Fatal Python error" in Path(run_log).read_text()  # forwarded there whole
+    (fault,) = [line for line in lines if "failed:" in line and "no restarts left" in line]
+    assert f"died by {signal.split()[0]}" in fault
+    for rank in (0, 1):
+        assert lines.count(f"[rank {rank}] user: building the model") == 1, lines
+    foreign = [ln for ln in lines if not ln.startswith((*OURS, "    ", "[rank ", "  fix "))]
+    assert not foreign, foreign
 
 
 def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(

@@ -12,11 +12,8 @@ on it, so a Ray upgrade that changes one says what to mend:
 - ``launch.trainer_class``: Train's ``TorchTrainer._create_default_callbacks``, to start no
   idle ``DatasetManager`` for a run without Ray Datasets (tests/unit/test_launch.py checks
   what it returns);
-- ``console.filter_worker_logs``: the driver's printer of forwarded lines,
-  ``ray._private.ray_logging.global_worker_stdstream_dispatcher`` and
-  ``ray._private.worker.print_to_stdstream``;
-- ``console.warnings_to_ray_logs`` and ``console._ray_messages_file``: the node's logs
-  folder, ``ray._private.worker.global_worker.node.get_logs_dir_path()``;
+- ``faults._actor_id``: Train's ``WorkerHealthCheckFailedError`` keeps Ray's
+  ``ActorDiedError`` as ``health_check_failure`` (its ``actor_id`` is public);
 - ``faults.cause``: Train's wrapper of a user's exception keeps it as ``_base_exc``, and
   Ray's ``ActorDiedError`` text names the node as ``ip: ADDRESS``.
 """
@@ -69,37 +66,16 @@ def test_trains_default_callbacks_can_be_overridden() -> None:
     )
 
 
-def test_the_drivers_printer_of_forwarded_lines_can_be_swapped() -> None:
-    import ray._private.ray_logging as ray_logging
-    import ray._private.worker as ray_worker
+def test_a_dead_workers_error_in_trains_health_check_keeps_its_actor_id() -> None:
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
-    dispatcher = getattr(ray_logging, "global_worker_stdstream_dispatcher", None)
-    needs(
-        dispatcher, "ray_logging.global_worker_stdstream_dispatcher", "console.filter_worker_logs"
-    )
-    for method in ("add_handler", "remove_handler"):
-        needs(getattr(dispatcher, method, None), f"the dispatcher's {method}", "console")
-    assert isinstance(getattr(dispatcher, "handlers", None), (list, dict)), (
-        "Ray's dispatcher keeps no .handlers: mend console.filter_worker_logs"
-    )
-    printer = getattr(ray_worker, "print_to_stdstream", None)
-    needs(printer, "ray._private.worker.print_to_stdstream", "console.filter_worker_logs")
-    assert list(inspect.signature(printer).parameters)[:2] == ["data", "ignore_prefix"], (
-        "print_to_stdstream's arguments changed: mend console.filter_worker_logs"
-    )
-
-
-def test_a_nodes_logs_folder_is_known_to_its_workers() -> None:
-    import ray._private.node
-    import ray._private.worker as ray_worker
-
-    needs(
-        getattr(ray_worker, "global_worker", None), "ray._private.worker.global_worker", "console"
-    )
-    needs(
-        getattr(ray._private.node.Node, "get_logs_dir_path", None),
-        "Node.get_logs_dir_path",
-        "console.warnings_to_ray_logs",
+    died = ActorDiedError(ActorDiedErrorContext(actor_id=b"\x02" * 16, pid=7))
+    wrapped = WorkerHealthCheckFailedError("the worker's health check failed", died)
+    assert raylift.faults._actor_id(wrapped) == died.actor_id == "02" * 16, (
+        "Train's WorkerHealthCheckFailedError no longer keeps Ray's error as "
+        "health_check_failure, or it lost actor_id: mend raylift.faults._actor_id"
     )
 
 
@@ -129,7 +105,8 @@ def test_a_dead_actors_error_names_its_node_as_raylift_reads_it() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["raylift.check", "raylift.launch", "raylift.faults", "raylift.console"]
+    "module",
+    ["raylift.check", "raylift.launch", "raylift.faults", "raylift.console", "raylift.worker"],
 )
 def test_no_other_private_ray_module_is_imported(module: str) -> None:
     """The list above is the whole list: a new private use is added there, with a test."""
@@ -137,14 +114,15 @@ def test_no_other_private_ray_module_is_imported(module: str) -> None:
 
     source = inspect.getsource(importlib.import_module(module))
     allowed = {
-        "ray._private.state", "ray._raylet", "ray._private.worker", "ray._private.ray_logging",
-        "ray._private.node", "_create_default_callbacks", "_base_exc",
+        "ray._private.state", "ray._raylet", "_create_default_callbacks", "_base_exc",
+        "health_check_failure",
     }  # fmt: skip
     found = {
         token.strip("(:.,")
         for token in source.replace("\n", " ").split()
         if token.startswith(("ray._private.", "ray._raylet", "_create_default", "ray.train.v2._"))
         or "_base_exc" in token
+        or "health_check_failure" in token
     }
     unknown = {f for f in found if not any(f.startswith(a) or a in f for a in allowed)}
     assert not unknown, f"private Ray used in {module} and not listed here: {sorted(unknown)}"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from raylift import console
 from raylift.config import Config
 from raylift.data.sources import (
     SPLIT_COLUMN,
@@ -468,10 +469,11 @@ def _shuffled_dataset(
 def _preprocessed(
     task: Task, ds: ray.data.Dataset, batch: int, rows: RowSplit | None = None
 ) -> ray.data.Dataset:
-    if rows is None:
-        return ds.map_batches(task.preprocess, batch_format="numpy", batch_size=batch)
-    fn: Any = _preprocess_by_split  # it takes the task's preprocess as a keyword
-    kwargs = {"preprocess": task.preprocess, "key": rows.key, "percent": rows.val_percent}
+    # Each takes the task's preprocess as a keyword (its prints reach the console).
+    fn: Any = _preprocess
+    kwargs: dict[str, Any] = {"preprocess": task.preprocess}
+    if rows is not None:
+        fn, kwargs = _preprocess_by_split, {**kwargs, "key": rows.key, "percent": rows.val_percent}
     return ds.map_batches(fn, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch)
 
 
@@ -481,13 +483,19 @@ def _preprocess_by_split(batch: Columns, preprocess: Any, key: str, percent: int
     parts = []
     for split, mask in (("train", ~val), ("val", val)):
         if mask.any():
-            out = preprocess({k: v[mask] for k, v in batch.items()})
+            out = _preprocess({k: v[mask] for k, v in batch.items()}, preprocess)
             parts.append({**out, SPLIT_COLUMN: np.full(num_rows(out), split)})
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
+def _preprocess(batch: Columns, preprocess: Any) -> Columns:
+    """The task's preprocess in a Ray Data task: what it prints reaches the console."""
+    console.route_ray_process()
+    return preprocess(batch)
+
+
 def _preprocess_permuted(batch: Columns, preprocess: Any) -> Columns:
-    return _permute_rows(preprocess(batch))
+    return _permute_rows(_preprocess(batch, preprocess))
 
 
 def _permute_rows(batch: Columns) -> Columns:

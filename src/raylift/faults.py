@@ -45,7 +45,7 @@ class FaultReporter(UserCallback):
         # not be registered yet, and the restart resumes from it (raylift.worker.resume).
         start = newest_written(self.run_dir)
         _, exc = primary(worker_exceptions)
-        crash = Crash.find(exc, self.tracking) if _died(exc) else None
+        crash = Crash.find(exc, self.tracking) if died(exc) else None
         if crash is not None:
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
@@ -206,12 +206,13 @@ def describe(
 def primary(exceptions: dict[int, Any]) -> tuple[int, Any]:
     """The rank whose failure caused the others: a dead worker process, whose death broke
     the collectives the surviving ranks were in, before any exception raised in code."""
-    dead = [r for r, e in sorted(exceptions.items()) if _died(e)]
+    dead = [r for r, e in sorted(exceptions.items()) if died(e)]
     rank = dead[0] if dead else min(exceptions)
     return rank, exceptions[rank]
 
 
-def _died(exc: Any) -> bool:
+def died(exc: Any) -> bool:
+    """Whether ``exc`` says a worker's process died (Ray's ``ActorDiedError``)."""
     return "ActorDiedError" in type(exc).__name__ or "actor died" in str(exc).lower()
 
 
@@ -220,7 +221,7 @@ def cause(exc: Any) -> tuple[str, str | None]:
     text = str(exc)
     ip = _IP.search(text)
     node = ip.group(1) if ip else None
-    if _died(exc):
+    if died(exc):
         exit_ = _EXIT.search(text)
         how = f" ({exit_.group(1)}: {exit_.group(2).strip()})" if exit_ else ""
         return f"its process died{how}: killed, out of memory or crashed", node

@@ -567,7 +567,7 @@ def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
     except Exception as exc:
         if _caused_by(exc, "WorkerGroupStartupTimeoutError"):
             raise RunFailed(placement_message(spec.config)) from exc
-        raise RunFailed(_failure_message(exc, spec.config)) from exc
+        raise RunFailed(_failure_message(exc, spec.config, spec.tracking)) from exc
     finally:
         if status != "FINISHED":
             store.end_run(spec.run_id, status)
@@ -715,18 +715,21 @@ def _bundle_sum(pg: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _failure_message(exc: BaseException, cfg: Config) -> str:
+def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> str:
     group = _worker_group_error(exc)
     if group is not None:  # which rank, and its traceback: printed here, once
-        from raylift.faults import cause, primary
+        from raylift.faults import Crash, cause, died, primary
 
         rank, failed = primary(dict(group.worker_failures))
         what, node = cause(failed)
+        # A dead process has no traceback of its own (the controller showed the end of its
+        # stderr); an exception in the task's code has.
+        crash = Crash.find(failed, tracking) if died(failed) else None
+        what = crash.how() if crash is not None else what
         where = f" on node {node}" if node else ""
         root: BaseException = failed
         head = f"training run {cfg.name!r} failed: worker rank {rank}{where}: {what}"
-        # A dead process has no traceback of its own; an exception in the task's code has.
-        trace = "" if "process died" in what else _snippet(group, rank)
+        trace = "" if died(failed) else _snippet(group, rank)
     else:
         root = exc
         while root.__cause__ is not None:

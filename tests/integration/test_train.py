@@ -245,6 +245,8 @@ def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
     assert "Fatal Python error" in Path(run_log).read_text()  # forwarded there whole
     (fault,) = [line for line in lines if "failed:" in line and "no restarts left" in line]
     assert f"died by {signal.split()[0]}" in fault
+    (final,) = [line for line in lines if line.startswith(f"raylift: training run '{how}' failed")]
+    assert "worker rank 1 on node " in final and f"died by {signal}" in final, final
     for rank in (0, 1):
         assert lines.count(f"[rank {rank}] user: building the model") == 1, lines
     foreign = [ln for ln in lines if not ln.startswith((*OURS, "    ", "[rank ", "  fix "))]
@@ -254,12 +256,13 @@ def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
 def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
     ray_cluster: str, in_tmp: Path
 ) -> None:
-    """``raylift.train(raylift.load_config(...))`` in a user's script: every line on its
-    console is raylift's or the script's own, none with Ray's ``(RayTrainWorker pid=...)``
-    prefix (the CLI alone was quiet)."""
+    """``raylift.train(raylift.load_config(...))`` in a user's script or notebook that
+    imported Ray first: every line on its console is raylift's or the script's own, none
+    with Ray's ``(RayTrainWorker pid=...)`` prefix (the CLI alone was quiet)."""
     script = in_tmp / "train.py"
     overrides = ["train.max_steps=10", "train.early_stopping=null", "storage=./runs"]
     script.write_text(
+        "import ray  # before raylift, as a notebook that used Ray already has\n"
         "import raylift\n"
         f"cfg = raylift.load_config({str(QUICKSTART)!r}, {overrides!r})\n"
         "result = raylift.train(cfg)\n"

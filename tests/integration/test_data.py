@@ -97,6 +97,39 @@ def test_truncated_or_missing_files_are_caught_with_the_fix(
     assert open_shards(str(tmp_path / "s"), fingerprint(cfg, task))
 
 
+def test_preps_into_an_object_store_never_delete_or_mix_each_others_shards(
+    ray_cluster: str, s3_server: str, tmp_path: Path
+) -> None:
+    """Object stores have no rename: each prep writes its own folder and then the
+    manifest. A run that read the first manifest still finds every file it names after
+    ``prep --force`` replaced them; two preps at once both finish and leave one whole
+    manifest, of files that are all there."""
+    from raylift import storage
+    from raylift.data.shards import read_manifest, verify
+
+    root = f"s3://data/{tmp_path.name}/digits"
+    cfg = load_config(QUICKSTART, [f"data.shards={root}"])
+    task = build_task(cfg.task, cfg.task_args)
+    fp = fingerprint(cfg, task)
+    first = prep(cfg, task, root).manifest
+    second = prep(cfg, task, root, force=True).manifest
+    verify(first, fp)  # what a run that started before the second prep reads: all there
+    assert read_manifest(root) == second
+    assert {f.path for f in first.splits["train"]} != {f.path for f in second.splits["train"]}
+    cmd = [sys.executable, "-m", "raylift.cli", "prep", str(QUICKSTART), f"data.shards={root}",
+           "--force"]  # fmt: skip
+    both = [subprocess.Popen(cmd, cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]  # fmt: skip
+    outs = [finish_output(proc, "a prep beside another")[0] for proc in both]
+    assert [proc.returncode for proc in both] == [0, 0], outs
+    last = read_manifest(root)
+    assert last is not None and last not in (first, second)
+    verify(last, fp)
+    verify(first, fp)
+    generations = [p for p in storage.children(root) if "gen-" in p]
+    assert len(generations) == 4, generations  # none removed: all are under a week old
+
+
 def test_train_refuses_a_missing_shard_folder_before_any_worker_starts(
     in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

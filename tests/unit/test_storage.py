@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -53,3 +54,24 @@ def test_a_listed_path_gets_its_scheme_back_only_under_a_uri() -> None:
     assert as_uri("bucket/images/a.jpg", like="s3://bucket/images") == "s3://bucket/images/a.jpg"
     assert as_uri("/data/a.jpg", like="/data") == "/data/a.jpg"
     assert as_uri("gs://b/a.jpg", like="gs://b") == "gs://b/a.jpg"
+
+
+def test_a_prep_removes_only_generations_no_manifest_names_that_are_a_week_old(
+    tmp_path: Path,
+) -> None:
+    """What a cut-off or replaced object-store prep left; a run that started before the
+    replacement may read a younger one, and the current one is never touched."""
+    import time
+
+    from raylift.data.shards import STALE_GENERATION_S, _remove_stale_generations
+
+    for name in ("gen-old", "gen-young", "gen-current", "train"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "part-0.parquet").write_bytes(b"rows")
+    past = time.time() - STALE_GENERATION_S - 60
+    for name in ("gen-old", "gen-current", "train"):
+        os.utime(tmp_path / name / "part-0.parquet", (past, past))
+    said: list[str] = []
+    _remove_stale_generations(str(tmp_path), keep="gen-current", log=said.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-current", "gen-young", "train"]
+    assert said == [f"raylift: prep removed {tmp_path}/gen-old, unused for over a week"]

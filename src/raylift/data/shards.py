@@ -245,9 +245,8 @@ def prep(
         return PrepResult(root, existing, True, time.perf_counter() - started)
     if connect is not None:
         connect()
-    if is_remote(root):  # object stores have no rename: write in place, the manifest last
-        _clear(root)
-        manifest = _write_all(task, root, fp, log)
+    if is_remote(root):
+        manifest = _write_generation(task, root, fp, log)
     else:
         manifest = _write_staged(task, root, fp, log, replace=force)
     return PrepResult(root, manifest, False, time.perf_counter() - started)
@@ -257,6 +256,42 @@ def _write_all(task: Task, root: str, fp: str, log: Any) -> Manifest:
     manifest = _scan(root, fp, _write_splits(task, root, log))
     _write_manifest(root, manifest)
     return manifest
+
+
+GENERATION = "gen-"  # an object-store prep's own folder under the shards' root
+STALE_GENERATION_S = 7 * 24 * 3600  # a replaced generation a run may still be reading
+
+
+def _write_generation(task: Task, root: str, fp: str, log: Any) -> Manifest:
+    """Object stores have no rename: each prep writes a folder of its own under ``root``
+    and then the manifest, one object whose PUT replaces the old one whole. A reader sees
+    the old shards or the new ones; of two preps at once the last manifest wins, and
+    neither deletes the other's files. Generations no manifest names are removed once
+    they are a week old (a cut-off prep's, or ones a run started before may read)."""
+    generation = f"{GENERATION}{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    splits = _write_splits(task, join(root, generation), log)
+    manifest = _scan(root, fp, splits, prefix=generation)
+    _write_manifest(root, manifest)
+    _remove_stale_generations(root, keep=generation, log=log)
+    return manifest
+
+
+def _remove_stale_generations(root: str, keep: str, log: Any) -> None:
+    import pyarrow.fs as pafs
+
+    fs, base = filesystem(root)
+    now = time.time()
+    for info in fs.get_file_info(pafs.FileSelector(base)):
+        name = info.path.rstrip("/").rsplit("/", 1)[-1]
+        if info.type != pafs.FileType.Directory or not name.startswith(GENERATION):
+            continue
+        if name == keep:
+            continue
+        files = fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+        newest = max((f.mtime.timestamp() for f in files if f.mtime is not None), default=0.0)
+        if now - newest > STALE_GENERATION_S:
+            fs.delete_dir(info.path)
+            log(f"raylift: prep removed {join(root, name)}, unused for over a week")
 
 
 def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Manifest:
@@ -285,15 +320,6 @@ def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Ma
     if manifest is None:
         raise ShardError(f"data.shards: {final} has no manifest after prep; run prep again")
     return manifest
-
-
-def _clear(root: str) -> None:
-    import pyarrow.fs as pafs
-
-    fs, base = filesystem(root)
-    if fs.get_file_info(base).type == pafs.FileType.Directory:
-        fs.delete_dir_contents(base)  # the manifest goes first with it: no half-valid state
-    fs.create_dir(base, recursive=True)
 
 
 def _write_splits(task: Task, root: str, log: Any) -> list[str]:
@@ -580,8 +606,9 @@ class Progress:
             )
 
 
-def _scan(root: str, fp: str, splits: list[str]) -> Manifest:
-    """Read back every file's footer: the manifest records what is really on disk."""
+def _scan(root: str, fp: str, splits: list[str], prefix: str = "") -> Manifest:
+    """Read back every file's footer: the manifest records what is really on disk (under
+    ``root``'s folder ``prefix``, paths relative to ``root``)."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
@@ -589,7 +616,8 @@ def _scan(root: str, fp: str, splits: list[str]) -> Manifest:
     found: dict[str, tuple[ShardFile, ...]] = {}
     schema: dict[str, str] = {}
     for split in splits:
-        infos = fs.get_file_info(pafs.FileSelector(f"{base}/{split}"))
+        folder = f"{base}/{prefix}/{split}" if prefix else f"{base}/{split}"
+        infos = fs.get_file_info(pafs.FileSelector(folder))
         files = []
         for info in sorted((i for i in infos if i.path.endswith(".parquet")), key=lambda i: i.path):
             with fs.open_input_file(info.path) as f:

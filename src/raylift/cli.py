@@ -174,10 +174,11 @@ def _run_error(exc: Exception) -> int:
     """A run that could not start (bad data or shards: exit 2) or that failed (exit 1)."""
     from raylift.data.shards import ShardError
     from raylift.data.sources import SourceError
+    from raylift.launch import StorageFailed
     from raylift.runlock import RunLocked
 
     print(f"raylift: {exc}", file=sys.stderr)
-    bad_input = (ShardError, SourceError, RunLocked)
+    bad_input = (ShardError, SourceError, RunLocked, StorageFailed)
     return EXIT_BAD_INPUT if isinstance(exc, bad_input) else EXIT_FAILED
 
 

@@ -29,6 +29,7 @@ from raylift.errors import first_line
 from raylift.precision import DeviceFacts, choose
 from raylift.probe import ProbeSettings
 from raylift.startup import Startup
+from raylift.storage import StorageError
 from raylift.tasks import BUILTINS
 from raylift.worker import SPEC_KEY, RunSpec, worker_main
 
@@ -48,6 +49,10 @@ WORKER_ENV = {
 
 class RunFailed(RuntimeError):
     """The training run ended in an error; the message says where and why."""
+
+
+class StorageFailed(RunFailed):
+    """The run's storage failed it mid-run (exit 2: the fix is outside the run)."""
 
 
 @dataclasses.dataclass
@@ -567,7 +572,9 @@ def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
     except Exception as exc:
         if _caused_by(exc, "WorkerGroupStartupTimeoutError"):
             raise RunFailed(placement_message(spec.config)) from exc
-        raise RunFailed(_failure_message(exc, spec.config, spec.tracking)) from exc
+        said = _failure_message(exc, spec.config, spec.tracking)
+        failed = StorageFailed if _root(exc, StorageError) else RunFailed
+        raise failed(said) from exc
     finally:
         if status != "FINISHED":
             store.end_run(spec.run_id, status)
@@ -736,6 +743,8 @@ def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> s
             root = root.__cause__
         text = str(root).strip().splitlines()
         trace, head = "", f"training run {cfg.name!r} failed: {text[-1] if text else root!r}"
+    if (refused := _root(exc, StorageError)) is not None:
+        return f"training run {cfg.name!r} failed: {refused}"
     if "No space left on device" in str(root) or getattr(root, "errno", None) == errno.ENOSPC:
         return (
             f"training run {cfg.name!r} failed: the disk under storage {cfg.storage!r} is full "
@@ -748,6 +757,22 @@ def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> s
         + (f"{trace}\n" if trace else "")
         + "  fix the cause and rerun the same command to resume from the latest checkpoint"
     )
+
+
+def _root(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """A ``kind`` in ``exc``'s chain, or kept by Ray Train's wrapper of a worker's error."""
+    group = _worker_group_error(exc)
+    if group is not None:
+        from raylift.faults import primary
+
+        _, failed = primary(dict(group.worker_failures))
+        exc = getattr(failed, "_base_exc", failed)
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _worker_group_error(exc: BaseException) -> Any:

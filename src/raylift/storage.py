@@ -23,6 +23,32 @@ RETRIES = (0.2, 1.0)  # seconds before each further try of an object store's ope
 T = TypeVar("T")
 
 
+class StorageError(OSError):
+    """The store failed mid-run (a bucket gone, credentials revoked): one line that names
+    the URI, the store's own message and the fix."""
+
+
+@contextlib.contextmanager
+def reaching(uri: str, what: str) -> Iterator[None]:
+    """Turn the store's error while doing ``what`` into a :class:`StorageError`; a full
+    local disk keeps its own (the run's failure message names that one)."""
+    import errno
+
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise
+        said = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), repr(exc))
+        raise StorageError(
+            f"storage {uri}: {what} failed: {said}; check that it exists and that every "
+            "node's credentials (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) can write it, then "
+            "rerun the same command: it resumes from the newest complete checkpoint"
+        ) from exc
+
+
 def retried(path: str, operation: Callable[[], T]) -> T:
     """``operation()``, tried again after a short wait where ``path`` is a URI: object
     stores answer a small share of requests with a transient error (seen here: S3's

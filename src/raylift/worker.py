@@ -8,6 +8,7 @@ hands it over in one typed object; each worker builds its data stream, tracker a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -123,7 +124,7 @@ def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
         world_size=world,
         device=device,
         source=source,
-        reporter=RayReporter(),
+        reporter=RayReporter(storage.resolve(cfg.storage)),
         tracker=ServiceTracker(spec.tracking, spec.run_id) if rank == 0 else NullTracker(),
         log=print0(rank),
         probe=_probe(spec.probe),
@@ -234,13 +235,18 @@ def _probe(settings: ProbeSettings | None) -> Any:
 
 
 class RayReporter:
-    """Metrics and checkpoints to Ray Train (both are collectives there)."""
+    """Metrics and checkpoints to Ray Train (both are collectives there); a checkpoint
+    that the store refuses is a :class:`~raylift.storage.StorageError` naming ``where``."""
+
+    def __init__(self, where: str = ""):
+        self.where = where
 
     def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
         import ray.train
 
         ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
-        ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
+        with storage.reaching(self.where, f"saving {name}") if ckpt else contextlib.nullcontext():
+            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
 
     def preempting(self) -> bool:
         import ray.train

@@ -75,3 +75,29 @@ def test_a_prep_removes_only_generations_no_manifest_names_that_are_a_week_old(
     _remove_stale_generations(str(tmp_path), keep="gen-current", log=said.append)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-current", "gen-young", "train"]
     assert said == [f"raylift: prep removed {tmp_path}/gen-old, unused for over a week"]
+
+
+def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_the_fix(
+    s3_server: str,
+) -> None:
+    """A save into a bucket that is gone, against the S3 server; then the driver's account
+    of a worker that failed so (Ray Train's own wrappers): one line, exit 2."""
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from raylift.launch import _failure_message, _root
+    from raylift.storage import StorageError, reaching, write_bytes
+    from tests.helpers import make_config
+
+    saving = reaching("s3://gone/runs", "saving checkpoint-step00000004")
+    with pytest.raises(StorageError) as caught, saving:
+        write_bytes("s3://gone/runs/r/checkpoint-step00000004/model.pt", b"weights")
+    said = str(caught.value)
+    assert said.startswith("storage s3://gone/runs: saving checkpoint-step00000004 failed: ")
+    assert "gone" in said.split("failed: ", 1)[1]  # the store's own message names the bucket
+    assert "\n" not in said and said.endswith("resumes from the newest complete checkpoint")
+    wrapped = UserExceptionWithTraceback(caught.value, "Traceback ...")
+    group = WorkerGroupError("rank 0 failed", {0: wrapped})
+    line = _failure_message(group, make_config(name="r"))
+    assert line == f"training run 'r' failed: {said}"
+    assert _root(group, StorageError) is caught.value

@@ -74,6 +74,7 @@ class Crash:
     stderr: str | None  # the file, on its node
     tail: list[str] | None  # None: its node is gone, or the file could not be read
     memory: tuple[float, float] | None = None  # node's (used, total) bytes, last interval
+    preempted: bool = False  # Ray says its node was reclaimed
 
     @classmethod
     def find(cls, exc: Any, tracking: Any) -> Crash | None:
@@ -92,7 +93,10 @@ class Crash:
             return None
         tail = read_tail(record["node_id"], record["stderr"]) if record["stderr"] else None
         memory = record.get("memory")
-        return cls(record["rank"], record["ip"], record["pid"], record["stderr"], tail, memory)
+        preempted = bool(getattr(_actor_error(exc), "preempted", False))
+        return cls(
+            record["rank"], record["ip"], record["pid"], record["stderr"], tail, memory, preempted
+        )
 
     def signal(self) -> tuple[str, str] | None:
         """(SIGSEGV, Segmentation fault), from the faulthandler dump in its stderr."""
@@ -105,6 +109,8 @@ class Crash:
     def how(self) -> str:
         if (signal := self.signal()) is not None:
             return f"its process (pid {self.pid}) died by {signal[0]} ({signal[1]})"
+        if self.preempted:
+            return f"its node was reclaimed (preempted), and its process (pid {self.pid}) with it"
         if self.tail is None:
             return f"its process (pid {self.pid}) died, and its node is gone"
         memory = ""
@@ -132,13 +138,19 @@ class Crash:
         return lines
 
 
-def _actor_id(exc: Any) -> str | None:
-    """The dead actor's id: on Ray's ``ActorDiedError``, which Train's health check keeps
-    as ``health_check_failure``."""
+def _actor_error(exc: Any) -> Any:
+    """Ray's ``ActorDiedError`` behind ``exc`` (Train's health check keeps it as
+    ``health_check_failure``), or None."""
     for candidate in (exc, getattr(exc, "health_check_failure", None), exc.__cause__):
         if isinstance(getattr(candidate, "actor_id", None), str):
-            return candidate.actor_id  # type: ignore[union-attr]
+            return candidate
     return None
+
+
+def _actor_id(exc: Any) -> str | None:
+    """The dead actor's id (public on Ray's ``ActorDiedError``)."""
+    found = _actor_error(exc)
+    return None if found is None else str(found.actor_id)
 
 
 def own_stderr() -> str | None:

@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from raylift.launch import WORKER_ENV
-from tests.helpers import HANG_S, finish_output, stop_ray_of
+from tests.helpers import HANG_S, finish_output, stop_ray_of, wait_until
 from tests.integration.test_train import OURS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -214,14 +214,27 @@ def set_node_cap(cluster: FakeCluster, cap: int) -> None:
     (cluster.root / "fake.yaml").write_text(yaml.safe_dump(config))
 
 
-def reclaim_a_node(cluster: FakeCluster) -> str:
-    """The cloud takes a worker node back (a spot reclaim): the raylet of the last worker
-    node the cluster lists gets SIGTERM, as a VM's shutdown sends it, and takes its
-    workers with it. Its id."""
-    import psutil
-
+def notice_a_reclaim(cluster: FakeCluster) -> str:
+    """The cloud says it will take a worker node back (a spot reclaim notice): Ray's
+    drain of the last worker node the cluster lists, for preemption, with a deadline, as
+    Ray's autoscaler asks for it. Its id."""
     _, nodes = cluster.history()[-1]
     node = [n for n, cpus in nodes.items() if cpus > 0][-1]
+    drain = [
+        str(Path(sys.executable).parent / "ray"), "drain-node", "--address", cluster.address,
+        "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+        "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "600",
+    ]  # fmt: skip
+    done = subprocess.run(drain, env=cluster.env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return node
+
+
+def reclaim_a_node(cluster: FakeCluster, node: str) -> str:
+    """The cloud takes worker node ``node`` back: its raylet gets SIGTERM, as a VM's
+    shutdown sends it, and takes its workers with it."""
+    import psutil
+
     for proc in psutil.process_iter(["name", "cmdline"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         if proc.info["name"] == "raylet" and f"--node_id={node}" in cmdline:
@@ -248,7 +261,7 @@ def elastic_run(cluster: FakeCluster, common: list[str]) -> dict[str, str]:
         "train.log_every_n_steps=5",
     )  # fmt: skip
     lines: list[str] = []
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {"run": f"s3://runs/{cluster.root.name}/elastic"}
     try:
         for line in proc.stdout:  # type: ignore[union-attr]
             lines.append(line)
@@ -276,10 +289,19 @@ def step(cluster: FakeCluster, line: str, seen: dict[str, str]) -> None:
         seen["capped"] = str(time.time())
     elif grown and "grew_at" not in seen:
         seen["grew_at"], seen["grew_step"] = str(time.time()), grown.group(1)
-    elif line.startswith("epoch ") and at and "grew_at" in seen and "reclaimed" not in seen:
+    elif line.startswith("epoch ") and at and "grew_at" in seen and "noticed" not in seen:
         if int(at.group(1)) >= int(seen["grew_step"]) + 10:  # trained and saved at 3
-            set_node_cap(cluster, 2)  # the room goes, and a node with it
-            seen["reclaimed"] = reclaim_a_node(cluster)
+            set_node_cap(cluster, 2)  # the room goes, and a node with it, after a notice
+            seen["noticed"] = notice_a_reclaim(cluster)
+    elif line.startswith("preemption notice: checkpoint at step") and "noticed" in seen:
+        if "reclaimed" not in seen:  # the run saves on the notice; then the node goes
+            from raylift.checkpoint import newest_written
+
+            seen["notice_line"] = line.strip()
+            saved = f"{seen['run']}/checkpoint-step{int(line.split()[-1]):08d}"
+            wait_until(lambda: newest_written(seen["run"]) == saved, f"{saved} written",
+                       seen=lambda: newest_written(seen["run"]))  # fmt: skip
+            seen["reclaimed"] = reclaim_a_node(cluster, seen["noticed"])
             seen["reclaimed_at"] = str(time.time())
     elif re.search(r"-> 2 workers", line) and "reclaimed" in seen:
         seen.setdefault("shrank_at", str(time.time()))
@@ -319,8 +341,9 @@ def test_an_elastic_run_grows_when_a_node_comes_and_shrinks_when_one_goes(
     cluster: FakeCluster, scenario: dict
 ) -> None:
     """It started on what there was room for (at most 2 nodes), grew to 3 workers from its
-    checkpoint when the autoscaler brought a third node, went on with 2 when a node was
-    reclaimed, kept its global batch throughout, and trained every step."""
+    checkpoint when the autoscaler brought a third node, saved at once when Ray gave notice
+    that a node would be reclaimed (a drain for preemption) and went on with 2 from that
+    checkpoint when it was, kept its global batch throughout, and trained every step."""
     out = scenario["elastic"]
     assert not quiet(out), quiet(out)
     assert scenario.get("shrank_at"), out[-3000:]
@@ -345,6 +368,8 @@ def test_an_elastic_run_grows_when_a_node_comes_and_shrinks_when_one_goes(
     # Each resize said once (the fake nodes share a logs folder and each forwards it), and
     # the reclaimed node's loss is one line that names where the run goes on from.
     assert [r[2] for r in resizes][-2:] == ["3", "2"], resizes
+    notice = int(scenario["notice_line"].rsplit(" ", 1)[1])
+    assert resizes[-1][0].endswith(f"checkpoint-step{notice:08d}"), (resizes, notice)
     assert [r[2] for r in resizes].count("3") == 1, resizes
     assert all(r[0].startswith("s3://runs/") for r in resizes), resizes
     (fault,) = [line for line in out.splitlines() if " failed: " in line]

@@ -328,3 +328,31 @@ def test_a_killed_workers_staged_checkpoint_is_removed_by_the_next_save(tmp_path
     other.mkdir()
     assert remove_orphans(tmp_path) == [left]
     assert not left.exists() and mine.is_dir() and other.is_dir()
+
+
+def test_a_crashed_process_is_named_by_its_signal_or_by_what_left_no_dump() -> None:
+    """The signal comes from Python's fault dump at the end of the process's stderr; no
+    dump is SIGKILL (the OOM killer's) or os._exit, with its node's memory."""
+    from raylift.faults import Crash
+
+    dump = ["Fatal Python error: Bus error", "", "Current thread 0x7f (most recent call first):",
+            '  File "/home/me/mytask.py", line 40 in loss']  # fmt: skip
+    bus = Crash(1, "10.0.0.2", 4242, "/tmp/ray/logs/worker-1.err", dump)
+    assert bus.signal() == ("SIGBUS", "Bus error")
+    report = bus.report("/home/me/raylift-logs/r.log")
+    assert report[0] == "raylift: worker rank 1 on node 10.0.0.2: its process (pid 4242) " \
+        "died by SIGBUS (Bus error):"  # fmt: skip
+    assert report[1:5] == [f"    {line}" for line in dump]
+    assert report[5] == (
+        "raylift: its stderr: /tmp/ray/logs/worker-1.err on node 10.0.0.2; "
+        "this run's log: /home/me/raylift-logs/r.log"
+    )
+    killed = Crash(0, "10.0.0.3", 7, None, [":actor_name:RayTrainWorker"], (21.5 * 2**30, 2**35))
+    assert killed.signal() is None
+    assert killed.how() == (
+        "its process (pid 7) ended without a Python error or a fault dump: SIGKILL, often "
+        "the kernel's OOM killer; node 10.0.0.3 had 21.5 of 32.0 GiB in use at its last "
+        "logging interval, or an exit that skips Python (os._exit)"
+    )
+    assert "node is gone" in Crash(0, "10.0.0.3", 7, None, None).how()
+    assert "reclaimed (preempted)" in Crash(0, "10.0.0.3", 7, None, None, preempted=True).how()

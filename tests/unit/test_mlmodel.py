@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -177,32 +178,53 @@ def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
 def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) -> None:
     """MLflow looks a dataset up, then inserts it: of two runs logging the same shards at
     once, the second insert fails on the store's unique constraint (seen with two jobs on
-    one sqlite store). Here the other run wins between this run's look-up and its insert;
-    the retry links the winner's row."""
-    from mlflow.exceptions import MlflowException
+    one sqlite store). Here the other run's row is committed between this run's look-up
+    and its insert: MLflow raises its real error, and the retry links the winner's row."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
 
     from raylift.tracking import DatasetRecord, Store
 
-    store = Store(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    db = tmp_path / "mlflow.db"
+    store = Store(f"sqlite:///{db}")
     exp = store.client.create_experiment("raylift")
-    ours, theirs = (store.client.create_run(exp).info.run_id for _ in range(2))
+    ours = store.client.create_run(exp).info.run_id
+
+    def theirs_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        """The other run's insert, committed on its own connection just before ours."""
+        if statement.startswith("INSERT INTO datasets") and not landed:
+            landed.append(True)
+            with sqlite3.connect(db) as other:
+                other.execute(
+                    "INSERT INTO datasets VALUES (?, ?, 'digits-1', 'abc', 'local', '{}', "
+                    "NULL, '{}')",
+                    ("theirs", int(exp)),
+                )
+
+    landed: list[bool] = []
+    event.listen(Engine, "before_cursor_execute", theirs_first)
     shards = [DatasetRecord("digits-1", "abc", str(tmp_path), "local", "training", {"rows": 3})]
     real = store.client.log_inputs
-    calls: list[str] = []
+    raised: list[Exception] = []
 
-    def collide(run_id: str, datasets: list) -> None:
-        calls.append(run_id)
-        if len(calls) == 1:
-            real(theirs, datasets=datasets)  # the other run's insert lands first
-            raise MlflowException("(sqlite3.IntegrityError) UNIQUE constraint failed: datasets")
-        real(run_id, datasets=datasets)
+    def watched(run_id: str, datasets: list) -> None:
+        try:
+            real(run_id, datasets=datasets)
+        except Exception as exc:
+            raised.append(exc)
+            raise
 
-    store.client.log_inputs = collide
-    store.log_datasets(ours, shards)
-    assert calls == [ours, ours]
-    for run_id in (ours, theirs):
-        (got,) = store.client.get_run(run_id).inputs.dataset_inputs
-        assert got.dataset.name == "digits-1" and got.dataset.digest == "abc"
+    store.client.log_inputs = watched
+    try:
+        store.log_datasets(ours, shards)
+    finally:
+        event.remove(Engine, "before_cursor_execute", theirs_first)
+    assert landed and len(raised) == 1, raised
+    assert "unique constraint failed" in str(raised[0]).lower(), raised
+    (got,) = store.client.get_run(ours).inputs.dataset_inputs
+    assert got.dataset.name == "digits-1" and got.dataset.digest == "abc"
 
 
 def test_register_as_works_with_a_sqlite_store_in_another_folder(
@@ -240,3 +262,38 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
     with pytest.raises(WeightsError) as refused:
         download("models:/digits/1", str(tmp_path / "staged"), uri, cfg)
     assert "cannot fetch" not in str(refused.value), refused.value
+
+
+def test_two_commands_creating_the_experiment_at_once_both_use_it(tmp_path: Path) -> None:
+    """The other command's experiment is committed between this one's look-up and its
+    create: MLflow's real error, then this command finds the winner's."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    from raylift.tracking import experiment_id
+
+    db = tmp_path / "mlflow.db"
+    client = MlflowClient(f"sqlite:///{db}")
+    client.search_experiments()  # the store's tables exist
+    landed: list[bool] = []
+
+    def theirs_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith("INSERT INTO experiments") and not landed:
+            landed.append(True)
+            with sqlite3.connect(db) as other:
+                other.execute(
+                    "INSERT INTO experiments (name, artifact_location, lifecycle_stage, "
+                    "creation_time, last_update_time) VALUES ('raylift', ?, 'active', 0, 0)",
+                    (str(tmp_path / "artifacts"),),
+                )
+
+    event.listen(Engine, "before_cursor_execute", theirs_first)
+    try:
+        found = experiment_id(client, "raylift")
+    finally:
+        event.remove(Engine, "before_cursor_execute", theirs_first)
+    assert landed
+    assert found == client.get_experiment_by_name("raylift").experiment_id

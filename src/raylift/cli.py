@@ -200,8 +200,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     except (ShardError, SourceError, RunFailed) as exc:
         return _run_error(exc)
     print(result.render())
-    where = result.folder or "MLflow only (remote storage)"
-    print(f"raylift: trace, chart and verdict in {where} and MLflow run {result.run_id}")
+    print(f"raylift: trace, chart and verdict in {result.folder} and MLflow run {result.run_id}")
     return EXIT_OK
 
 

@@ -378,8 +378,8 @@ class DoctorResult:
     name: str
     diagnosis: Diagnosis
     metrics: dict[str, float]
-    folder: Path | None
-    chart: Path
+    folder: str  # the run's doctor folder: local, or in an object store
+    chart: Path  # a local copy
     run_id: str
     startup: dict[str, float] = dataclasses.field(default_factory=dict)  # startup/* metrics
 
@@ -421,9 +421,8 @@ def run_doctor(
     if steps < 2:
         raise ValueError("--steps: at least 2 steps per window")
     run = doctor_config(cfg, steps)
-    folder = storage.local_path(run.storage)
-    folder = folder / run.name / "doctor" if folder else None
-    probe = ProbeSettings(steps, str(folder) if folder else None)
+    folder = storage.join(storage.resolve(run.storage), run.name, "doctor")  # local or a URI
+    probe = ProbeSettings(steps, folder)
     result = launch.train(run, log, probe=probe, startup=startup)
     if PREFIX + "samples_per_s" not in result.metrics:
         raise RuntimeError(
@@ -437,8 +436,7 @@ def run_doctor(
         cfg, precision=result.config.precision, strategy=result.config.strategy
     )
     diagnosis = diagnose(result.metrics, ran, build_task(cfg.task, cfg.task_args))
-    out = folder or Path(tempfile.mkdtemp(prefix="raylift-doctor-"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="raylift-doctor-"))  # drawn here, then copied
     chart = draw_chart(diagnosis, result.metrics, out / "breakdown.png")
     report = out / "verdict.json"
     measured = {k: v for k, v in result.metrics.items() if k.startswith(PREFIX)}
@@ -448,6 +446,7 @@ def run_doctor(
     client = tracking.client(result.tracking_uri)
     for path in (chart, report):
         client.log_artifact(result.run_id, str(path), "doctor")
+        storage.write_bytes(storage.join(folder, path.name), path.read_bytes())
     client.set_tag(result.run_id, "raylift.doctor.verdict", diagnosis.verdict)
     logged = client.get_run(result.run_id).data.metrics
     startup_metrics = {k: v for k, v in logged.items() if k.startswith(PREFIX_STARTUP)}

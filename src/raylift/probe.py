@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
+from raylift import storage
 from raylift.context import StepView
 from raylift.metrics import StepTimes, dtype_key, peak_flops
 
@@ -42,7 +43,7 @@ class ProbeSettings:
     """What the driver asks of the probe: ``steps`` per window, where the trace goes."""
 
     steps: int
-    out_dir: str | None = None  # None: a temp folder (remote storage: MLflow only)
+    out_dir: str | None = None  # the run's doctor folder (local or a URI); None: MLflow only
 
 
 class DoctorProbe:
@@ -104,11 +105,12 @@ class DoctorProbe:
         self.profiler.stop()
         stats = trace_stats(self.profiler, self.steps, window.elapsed())
         view.publish({PREFIX + k: v for k, v in stats.items()})
-        folder = Path(self.out_dir) if self.out_dir else Path(tempfile.mkdtemp("raylift-doctor"))
-        folder.mkdir(parents=True, exist_ok=True)
-        trace = folder / "trace-rank0.json"
-        self.profiler.export_chrome_trace(str(trace))
-        view.tracker.log_artifact(trace, "doctor")
+        with tempfile.TemporaryDirectory(prefix="raylift-doctor-") as tmp:
+            trace = Path(tmp) / "trace-rank0.json"
+            self.profiler.export_chrome_trace(str(trace))
+            view.tracker.log_artifact(trace, "doctor")  # sends its bytes
+            if self.out_dir:  # the run's folder, local or in an object store
+                storage.write_bytes(storage.join(self.out_dir, trace.name), trace.read_bytes())
         self.profiler = None
 
 

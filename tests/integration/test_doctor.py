@@ -7,11 +7,13 @@ first. Whether that change makes the run faster is a speed claim, measured by
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
+from raylift import storage
 from raylift.cli import main as cli_main
 from tests.bottlenecks import CASES
 
@@ -27,8 +29,9 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("doctor")
 
 
-def overrides(home: Path, extra: list[str]) -> list[str]:
-    return [f"storage={home / 'runs'}", f"tracking.uri=sqlite:///{home / 'mlflow.db'}", *extra]
+def overrides(home: Path, extra: list[str], where: str | None = None) -> list[str]:
+    runs = where or home / "runs"
+    return [f"storage={runs}", f"tracking.uri=sqlite:///{home / 'mlflow.db'}", *extra]
 
 
 def check_outputs(home: Path, verdict: dict) -> None:
@@ -36,10 +39,11 @@ def check_outputs(home: Path, verdict: dict) -> None:
     import matplotlib.image
     from mlflow.tracking import MlflowClient
 
-    folder = verdict["folder"]
-    trace = json.loads((folder / "trace-rank0.json").read_text())
+    folder = verdict["folder"]  # local, or in the object store
+    trace = json.loads(storage.read_text(storage.join(folder, "trace-rank0.json")) or "{}")
     assert trace["traceEvents"], "empty Chrome trace"
-    image = matplotlib.image.imread(folder / "breakdown.png")
+    png = storage.read_bytes(storage.join(folder, "breakdown.png")) or b""
+    image = matplotlib.image.imread(io.BytesIO(png), format="png")
     assert image.shape[0] > 300 and image.shape[1] > 800
     client = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
     exp = client.get_experiment_by_name("raylift")
@@ -61,22 +65,38 @@ def check_outputs(home: Path, verdict: dict) -> None:
         assert key in run.data.metrics, key
 
 
-def doctor_command(home: Path, extra: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+def doctor_command(
+    home: Path, extra: list[str], capsys: pytest.CaptureFixture[str], where: str | None = None
+) -> dict:
     """``raylift doctor``, as a user runs it; returns the verdict.json it wrote."""
-    code = cli_main(["doctor", str(QUICKSTART), "--steps", str(STEPS), *overrides(home, extra)])
+    args = overrides(home, extra, where)
+    code = cli_main(["doctor", str(QUICKSTART), "--steps", str(STEPS), *args])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verdict: " in out and "what to change, by expected gain:" in out
-    folder = Path(out.split("trace, chart and verdict in ")[1].split(" and MLflow run ")[0])
-    return json.loads((folder / "verdict.json").read_text()) | {"folder": folder}
+    folder = out.split("trace, chart and verdict in ")[1].split(" and MLflow run ")[0]
+    if where:
+        assert folder.startswith(where), folder
+    return json.loads(storage.read_text(storage.join(folder, "verdict.json")) or "{}") | {
+        "folder": folder
+    }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_doctor_names_the_bottleneck_and_a_config_change_first(
-    ray_cluster: str, home: Path, case: str, capsys: pytest.CaptureFixture[str]
+    ray_cluster: str,
+    home: Path,
+    case: str,
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
 ) -> None:
+    """The last case's run is on the S3 server: its trace, chart and verdict go there."""
     extra, intended = CASES[case]
-    verdict = doctor_command(home, extra, capsys)
+    where = None
+    if case == list(CASES)[-1]:
+        request.getfixturevalue("s3_server")
+        where = f"s3://runs/{home.name}"
+    verdict = doctor_command(home, extra, capsys, where)
     assert verdict["verdict"] == intended, verdict["evidence"]
     first = verdict["suggestions"][0]
     assert first["key"] != "code", f"the first suggestion must be a config change: {first}"

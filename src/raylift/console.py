@@ -220,8 +220,13 @@ class DriverSink:
         self.log = log
         self._file: TextIO | None = None
         self._shown: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # stdout's and stderr's routers share this sink
 
     def line(self, stream: TextIO, kind: str, text: str) -> None:
+        with self._lock:
+            self._line(stream, kind, text)
+
+    def _line(self, stream: TextIO, kind: str, text: str) -> None:
         tagged = untag(text)
         if tagged is not None:
             key, rank, text = tagged
@@ -245,9 +250,10 @@ class DriverSink:
         self._file.write(text + "\n")
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def _install(sink_for: Any) -> None:

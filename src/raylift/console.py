@@ -271,8 +271,11 @@ def _repoint_handlers(stream: TextIO, router: Router) -> None:
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for lg in loggers:
         for handler in getattr(lg, "handlers", []):
-            if isinstance(handler, logging.StreamHandler) and handler.stream is stream:
-                handler.setStream(router)
+            if not isinstance(handler, logging.StreamHandler):
+                continue
+            held = handler.stream
+            if held is stream or (isinstance(held, Router) and held.stream is stream):
+                handler.setStream(router)  # the terminal's, or a previous run's router
 
 
 def route_ray_process(rank: int | None = None) -> None:

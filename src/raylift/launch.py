@@ -102,7 +102,9 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     """Join ``RAY_ADDRESS`` if set, else start a private local Ray for this run."""
     import ray
 
-    console.start_log(cfg.name)  # before Ray's start-up prints anything
+    # Before Ray's start-up prints anything; a command that stops before it needs Ray
+    # (bad input) leaves no log behind.
+    console.start_log(cfg.name)
     if ray.is_initialized():
         return
     env = dict(WORKER_ENV)
@@ -362,7 +364,6 @@ def train(
     probe; the CLI passes the start-up clock it began at its process's start (else it
     begins here). ``lock``: hold the run's lock (:mod:`raylift.runlock`), on any storage.
     """
-    console.start_log(cfg.name)
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
     if lock:  # a sweep's trials run in the sweep's storage, which it checked
         writable(storage.resolve(cfg.storage), "storage")

@@ -424,3 +424,50 @@ def wait_until(
             raise AssertionError(f"waited {ceiling:.0f} s for {what}; saw: {seen()}")
         time.sleep(every)
     return got
+
+
+class CountingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream`` (``http://host:port``) that counts
+    the bytes the server sends back: what a client read, measured outside it."""
+
+    def __init__(self, upstream: str):
+        import socket
+        import threading
+
+        host, port = upstream.removeprefix("http://").rstrip("/").split(":")
+        self.upstream = (host, int(port))
+        self.served = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: Any, dst: Any, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                if count:
+                    with self._lock:
+                        self.served += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(2)
+
+    def close(self) -> None:
+        self._listener.close()

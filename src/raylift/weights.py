@@ -6,8 +6,9 @@ at a time.
 (``model.safetensors.index.json`` and the files it maps), on this machine or in an
 object store (rank 0 reads a private copy), or an MLflow model (``models:/NAME/VERSION``,
 ``runs:/RUN_ID/model``: :mod:`raylift.mlmodel` fetches it first). The driver reads only the
-files' headers, before any worker starts, and refuses a missing, extra or
-differently shaped tensor, or a file it cannot read, naming the tensor and the file.
+files' headers, where they are (ranged reads on an object store), before any worker
+starts, and refuses a missing, extra or differently shaped tensor, or a file it cannot
+read, naming the tensor and the file.
 In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
 broadcasts it; every rank keeps its own shard of it (``raylift.init`` writers), so
 no rank ever holds more than one whole tensor beside its shards, and a node's host
@@ -39,39 +40,55 @@ class WeightsError(SourceError):
 
 
 def weight_files(path: str) -> dict[str, str]:
-    """Tensor name -> the file holding it, from the index or the files' headers."""
-    from safetensors import safe_open
-
-    root = Path(path)
-    if root.is_dir():
-        if (root / INDEX).is_file():
-            mapping = json.loads((root / INDEX).read_text())["weight_map"]
-            return {name: str(root / file) for name, file in mapping.items()}
-        root = root / SINGLE
-    if not root.is_file():
+    """Tensor name -> the file holding it, from the index or the files' headers (a local
+    path or a URI alike)."""
+    root = path
+    if storage.is_dir(path):
+        index = storage.read_text(storage.join(path, INDEX))
+        if index is not None:
+            mapping = json.loads(index)["weight_map"]
+            return {name: storage.join(path, file) for name, file in mapping.items()}
+        root = storage.join(path, SINGLE)
+    if not storage.is_file(root):
         raise WeightsError(
             f"model.weights: {path} is neither a .safetensors file nor a folder with "
             f"{SINGLE} or {INDEX}"
         )
+    return {name: root for name in header(root)}
+
+
+MAX_HEADER = 100 << 20  # bytes; safetensors refuses larger headers too
+
+
+def header(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header alone: its first 8 bytes
+    give the JSON header's length, then the header; two ranged reads on an object store,
+    never the tensors."""
+    fs, where = storage.filesystem(path)
     try:
-        with safe_open(str(root), framework="pt") as f:
-            return {name: str(root) for name in f.keys()}  # noqa: SIM118 (not iterable)
-    except Exception as exc:  # safetensors raises its own error types for bad headers
-        raise WeightsError(f"model.weights: cannot read {root}: {exc}") from exc
+        with fs.open_input_file(where) as f:
+            size = int.from_bytes(f.read_at(8, 0), "little")
+            if not 2 <= size <= min(MAX_HEADER, f.size() - 8):
+                raise ValueError(f"its header length, {size} bytes, does not fit the file")
+            meta = json.loads(f.read_at(size, 8))
+            tensors = {n: t for n, t in meta.items() if n != "__metadata__"}
+            need = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+            if 8 + size + need != f.size():  # cut off, or not safetensors
+                raise ValueError(
+                    f"its tensors take {need} bytes after the header, the file holds "
+                    f"{f.size() - 8 - size}"
+                )
+        return {n: tuple(t["shape"]) for n, t in tensors.items()}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WeightsError(f"model.weights: cannot read {path}: {exc}") from exc
 
 
 def file_shapes(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, file), reading each file's header once."""
-    from safetensors import safe_open
-
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in sorted(set(files.values())):
-        try:
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    out[name] = (tuple(f.get_slice(name).get_shape()), file)
-        except Exception as exc:
-            raise WeightsError(f"model.weights: cannot read {file}: {exc}") from exc
+        for name, shape in header(file).items():
+            out[name] = (shape, file)
     missing = [n for n, f in files.items() if n not in out]
     if missing:
         raise WeightsError(
@@ -145,8 +162,7 @@ def check_for_config(cfg: Any, task: Any, path: str | None = None) -> None:
         return
     with torch.device("meta"):
         model = task.build_model()
-    with on_this_machine(path) as local:
-        check(model, local)
+    check(model, path)  # headers only, where they are: ranged reads on an object store
 
 
 @contextlib.contextmanager

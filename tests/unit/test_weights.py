@@ -140,3 +140,30 @@ def test_train_refuses_bad_weights_before_anything_starts(tmp_path: Path) -> Non
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "ln_f.weight" in proc.stderr and "bad.safetensors" in proc.stderr
     assert "Ray" not in proc.stdout  # refused before Ray or MLflow started
+
+
+def test_the_drivers_check_of_weights_in_an_object_store_reads_their_headers_only(
+    s3_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted by a proxy in front of the S3 server: a few KiB for 4 MiB of weights, and a
+    wrong shape is still named."""
+    from safetensors.torch import save_file
+
+    from raylift import storage
+    from tests.helpers import CountingProxy
+
+    weights = {"weight": torch.zeros(1024, 1024), "bias": torch.zeros(1024)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    uri = f"s3://data/{tmp_path.name}/model.safetensors"
+    storage.write_bytes(uri, (tmp_path / "model.safetensors").read_bytes())
+    proxy = CountingProxy(s3_server)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        with torch.device("meta"):
+            assert set(check(torch.nn.Linear(1024, 1024), uri)) == {"weight", "bias"}
+            with pytest.raises(WeightsError, match=r"tensor weight in .* has shape \[1024, 1024\]"):
+                check(torch.nn.Linear(1024, 512), uri)
+    finally:
+        proxy.close()
+    size = storage.size(uri) or 0
+    assert size > 4 << 20 and 0 < proxy.served < 64 << 10, (proxy.served, size)

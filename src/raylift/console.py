@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import re
@@ -202,12 +203,12 @@ class RaySink:
     """In a Ray process: raylift's and the user's lines tagged, all on to Ray's file."""
 
     def __init__(self, rank: int | None):
-        self.rank, self.seq = rank, 0
+        # One numbering for both streams: a line's key is (pid, number), unique per process.
+        self.rank, self._numbers = rank, itertools.count(1)
 
     def line(self, stream: TextIO, kind: str, text: str) -> None:
         if kind != LIBRARY and MARK not in text:
-            self.seq += 1
-            text = tag(text, self.seq, self.rank if kind == USER else None)
+            text = tag(text, next(self._numbers), self.rank if kind == USER else None)
         stream.write(text + "\n")
         stream.flush()  # Ray forwards what is in the file; a console line should not wait
 
@@ -285,8 +286,8 @@ def route_ray_process(rank: int | None = None) -> None:
         return
     if _in_ray_process() and getattr(sys.stdout, "sink", None).rank == rank:  # type: ignore[union-attr]
         return
-    sinks = {name: RaySink(rank) for name in ("stdout", "stderr")}
-    _install(sinks.__getitem__)
+    sink = RaySink(rank)
+    _install(lambda _name: sink)
 
 
 _started: dict[str, Path] = {}

@@ -416,7 +416,7 @@ class Trainer:
             self._log_interval(ending)
             notice = self.checkpointer.preemption_notice(self.state)
         if notice:
-            self.ctx.log(f"preemption notice: checkpoint at step {self.state.step}")
+            self.ctx.log(f"raylift: preemption notice: checkpoint at step {self.state.step}")
             self.checkpoint(self.last_metrics)
 
     # ------------------------------------------------------------ metrics

@@ -291,9 +291,8 @@ def step(cluster: FakeCluster, line: str, seen: dict[str, str]) -> None:
         seen["grew_at"], seen["grew_step"] = str(time.time()), grown.group(1)
     elif line.startswith("epoch ") and at and "grew_at" in seen and "noticed" not in seen:
         if int(at.group(1)) >= int(seen["grew_step"]) + 10:  # trained and saved at 3
-            set_node_cap(cluster, 2)  # the room goes, and a node with it, after a notice
-            seen["noticed"] = notice_a_reclaim(cluster)
-    elif line.startswith("preemption notice: checkpoint at step") and "noticed" in seen:
+            seen["noticed"] = notice_a_reclaim(cluster)  # the room goes after the notice
+    elif line.startswith("raylift: preemption notice: checkpoint at step") and "noticed" in seen:
         if "reclaimed" not in seen:  # the run saves on the notice; then the node goes
             from raylift.checkpoint import newest_written
 
@@ -301,6 +300,7 @@ def step(cluster: FakeCluster, line: str, seen: dict[str, str]) -> None:
             saved = f"{seen['run']}/checkpoint-step{int(line.split()[-1]):08d}"
             wait_until(lambda: newest_written(seen["run"]) == saved, f"{saved} written",
                        seen=lambda: newest_written(seen["run"]))  # fmt: skip
+            set_node_cap(cluster, 2)  # the room goes, and the node with it
             seen["reclaimed"] = reclaim_a_node(cluster, seen["noticed"])
             seen["reclaimed_at"] = str(time.time())
     elif re.search(r"-> 2 workers", line) and "reclaimed" in seen:

@@ -166,3 +166,16 @@ def test_library_quiet_logs_a_libraries_lines_and_keeps_the_users(
     assert screen.getvalue() == "mine\n"
     (log,) = tmp_path.glob("export-*.log")
     assert "Processing zero checkpoint" in log.read_text()
+
+
+def test_a_ray_process_numbers_its_lines_once_for_both_streams(tmp_path: Path) -> None:
+    """A user's print to stdout and one to stderr are two lines, neither taken for a copy."""
+    ray_file = io.StringIO()
+    sink = console.RaySink(rank=0)
+    out, err = console.Router(ray_file, sink), console.Router(ray_file, sink)
+    user_code(tmp_path, "print('to stdout', file=out)")(out)
+    user_code(tmp_path, "print('to stderr', file=out)")(err)
+    screen = io.StringIO()
+    driver = console.Router(screen, console.DriverSink(tmp_path / "run.log"))
+    as_library(driver, ray_file.getvalue())
+    assert screen.getvalue().splitlines() == ["[rank 0] to stdout", "[rank 0] to stderr"]

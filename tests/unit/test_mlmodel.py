@@ -4,8 +4,10 @@ default store."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,36 +177,42 @@ def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
     assert not (job / "mlruns").exists()
 
 
-def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) -> None:
-    """MLflow looks a dataset up, then inserts it: of two runs logging the same shards at
-    once, the second insert fails on the store's unique constraint (seen with two jobs on
-    one sqlite store). Here the other run's row is committed between this run's look-up
-    and its insert: MLflow raises its real error, and the retry links the winner's row."""
+@contextlib.contextmanager
+def committed_first(db: Path, before: str, sql: str, params: tuple[Any, ...]) -> Iterator[list]:
+    """Another writer's ``sql``, committed on its own connection to the sqlite store ``db``
+    just before this process's first statement that starts with ``before``; yields a list
+    that holds True once it landed."""
     import sqlite3
 
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
 
+    landed: list[bool] = []
+
+    def theirs_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.startswith(before) and not landed:
+            landed.append(True)
+            with sqlite3.connect(db) as other:
+                other.execute(sql, params)
+
+    event.listen(Engine, "before_cursor_execute", theirs_first)
+    try:
+        yield landed
+    finally:
+        event.remove(Engine, "before_cursor_execute", theirs_first)
+
+
+def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) -> None:
+    """MLflow looks a dataset up, then inserts it: of two runs logging the same shards at
+    once, the second insert fails on the store's unique constraint (seen with two jobs on
+    one sqlite store). Here the other run's row is committed between this run's look-up
+    and its insert: MLflow raises its real error, and the retry links the winner's row."""
     from raylift.tracking import DatasetRecord, Store
 
     db = tmp_path / "mlflow.db"
     store = Store(f"sqlite:///{db}")
     exp = store.client.create_experiment("raylift")
     ours = store.client.create_run(exp).info.run_id
-
-    def theirs_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        """The other run's insert, committed on its own connection just before ours."""
-        if statement.startswith("INSERT INTO datasets") and not landed:
-            landed.append(True)
-            with sqlite3.connect(db) as other:
-                other.execute(
-                    "INSERT INTO datasets VALUES (?, ?, 'digits-1', 'abc', 'local', '{}', "
-                    "NULL, '{}')",
-                    ("theirs", int(exp)),
-                )
-
-    landed: list[bool] = []
-    event.listen(Engine, "before_cursor_execute", theirs_first)
     shards = [DatasetRecord("digits-1", "abc", str(tmp_path), "local", "training", {"rows": 3})]
     real = store.client.log_inputs
     raised: list[Exception] = []
@@ -217,10 +225,9 @@ def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) 
             raise
 
     store.client.log_inputs = watched
-    try:
+    theirs = "INSERT INTO datasets VALUES (?, ?, 'digits-1', 'abc', 'local', '{}', NULL, '{}')"
+    with committed_first(db, "INSERT INTO datasets", theirs, ("theirs", int(exp))) as landed:
         store.log_datasets(ours, shards)
-    finally:
-        event.remove(Engine, "before_cursor_execute", theirs_first)
     assert landed and len(raised) == 1, raised
     assert "unique constraint failed" in str(raised[0]).lower(), raised
     (got,) = store.client.get_run(ours).inputs.dataset_inputs
@@ -267,33 +274,19 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
 def test_two_commands_creating_the_experiment_at_once_both_use_it(tmp_path: Path) -> None:
     """The other command's experiment is committed between this one's look-up and its
     create: MLflow's real error, then this command finds the winner's."""
-    import sqlite3
-
     from mlflow.tracking import MlflowClient
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
 
     from raylift.tracking import experiment_id
 
     db = tmp_path / "mlflow.db"
     client = MlflowClient(f"sqlite:///{db}")
     client.search_experiments()  # the store's tables exist
-    landed: list[bool] = []
-
-    def theirs_first(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
-        if statement.startswith("INSERT INTO experiments") and not landed:
-            landed.append(True)
-            with sqlite3.connect(db) as other:
-                other.execute(
-                    "INSERT INTO experiments (name, artifact_location, lifecycle_stage, "
-                    "creation_time, last_update_time) VALUES ('raylift', ?, 'active', 0, 0)",
-                    (str(tmp_path / "artifacts"),),
-                )
-
-    event.listen(Engine, "before_cursor_execute", theirs_first)
-    try:
+    theirs = (
+        "INSERT INTO experiments (name, artifact_location, lifecycle_stage, creation_time, "
+        "last_update_time) VALUES ('raylift', ?, 'active', 0, 0)"
+    )
+    params = (str(tmp_path / "artifacts"),)
+    with committed_first(db, "INSERT INTO experiments", theirs, params) as landed:
         found = experiment_id(client, "raylift")
-    finally:
-        event.remove(Engine, "before_cursor_execute", theirs_first)
     assert landed
     assert found == client.get_experiment_by_name("raylift").experiment_id

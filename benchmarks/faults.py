@@ -126,8 +126,8 @@ def quiet(line: str) -> None:
 
 
 def intact(run_dir: Path) -> str:
-    found = verify_run(run_dir)
-    bad = [f"{p.name}: {why.split(':')[0]}" for p, why in found if why]
+    found = verify_run(str(run_dir))
+    bad = [f"{Path(p).name}: {why.split(':')[0]}" for p, why in found if why]
     good = sum(1 for _, why in found if why is None)
     return f"{good} intact" + (f", {len(bad)} not ({'; '.join(bad)})" if bad else "")
 
@@ -221,7 +221,7 @@ def kill_at_third_save(run_dir: Path, stop: threading.Event, note: list[str]) ->
     tmp = Path(tempfile.gettempdir())
     before = set(tmp.glob("raylift-ckpt-*"))
     while not stop.is_set():
-        saved = [c for c in checkpoint_dirs(run_dir) if len(list(c.glob("complete-rank*"))) == 2]
+        saved = [c for c in ckpts(run_dir) if len(list(c.glob("complete-rank*"))) == 2]
         fresh = set(tmp.glob("raylift-ckpt-*")) - before
         if len(saved) < 2:
             before |= fresh
@@ -242,7 +242,7 @@ def kill_at_third_save(run_dir: Path, stop: threading.Event, note: list[str]) ->
 def corrupted(b: Bench) -> Row:
     b.marker.write_text("no kill")
     b.train("damaged", "train.max_steps=16")
-    newest = checkpoint_dirs(b.run_dir("damaged"))[-1]
+    newest = ckpts(b.run_dir("damaged"))[-1]
     victim = max((p for p in newest.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     flip_middle(victim)
     again = b.cli("damaged")
@@ -257,6 +257,11 @@ def corrupted(b: Bench) -> Row:
         final_val(out),
         intact(b.run_dir("damaged")),
     )
+
+
+def ckpts(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders, oldest first (raylift names them by path strings)."""
+    return [Path(c) for c in checkpoint_dirs(str(run_dir))]
 
 
 def flip_middle(path: Path, n: int = 4096) -> None:
@@ -343,7 +348,7 @@ def nan(b: Bench, mode: str) -> Row:
 
 def full_disk(b: Bench) -> Row:
     b.marker.write_text("no kill")
-    one = sum(p.stat().st_size for p in checkpoint_dirs(b.run_dir("clean"))[-1].rglob("*"))
+    one = sum(p.stat().st_size for p in ckpts(b.run_dir("clean"))[-1].rglob("*"))
     mount = b.root / "small-disk"
     mount.mkdir()
     size = int(2.5 * one) // 4096 * 4096

@@ -329,6 +329,43 @@ def route_driver(log: Path) -> None:
         previous.close()
     sink = DriverSink(log)
     _install(lambda _name: sink)
+    _show_uncaught()
+
+
+def _show_uncaught() -> None:
+    """An uncaught exception, in the main thread or another, is an error: its traceback
+    goes to the console whoever prints it. Ray's hook (it records a driver's failure in
+    the cluster) still runs, its copy of the traceback going to the log."""
+    import traceback
+
+    if getattr(sys.excepthook, "_raylift", False):
+        return
+    previous, previous_thread = sys.excepthook, threading.excepthook
+
+    def show(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        text = "".join(traceback.format_exception(kind, value, tb))
+        err = sys.stderr
+        if not isinstance(err, Router):
+            previous(kind, value, tb)
+            return
+        err.stream.write(text)
+        err.stream.flush()
+        if previous is sys.__excepthook__:  # it would print the same to the console
+            err.sink.line(err.stream, LIBRARY, text.rstrip("\n"))
+        else:
+            previous(kind, value, tb)
+
+    def show_thread(args: Any) -> None:
+        if args.exc_type is SystemExit:
+            return
+        if isinstance(sys.stderr, Router):
+            show(args.exc_type, args.exc_value, args.exc_traceback)
+        else:
+            previous_thread(args)
+
+    show._raylift = True  # type: ignore[attr-defined]
+    sys.excepthook = show
+    threading.excepthook = show_thread
 
 
 def current_log() -> Path | None:

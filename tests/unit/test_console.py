@@ -179,3 +179,25 @@ def test_a_ray_process_numbers_its_lines_once_for_both_streams(tmp_path: Path) -
     driver = console.Router(screen, console.DriverSink(tmp_path / "run.log"))
     as_library(driver, ray_file.getvalue())
     assert screen.getvalue().splitlines() == ["[rank 0] to stdout", "[rank 0] to stderr"]
+
+
+@pytest.mark.parametrize("where", ["main", "thread", "ray"])
+def test_an_uncaught_exception_is_shown_whoever_prints_it(tmp_path: Path, where: str) -> None:
+    """An uncaught exception reaches the console and the log, in the main thread or
+    another, and when Ray's hook (a library's frames, which print it) is installed."""
+    import subprocess
+    import sys
+
+    boom = "raise ValueError('boom')"
+    body = boom if where == "main" else (
+        f"import threading\nt = threading.Thread(target=lambda: exec({boom!r}))\n"
+        "t.start()\nt.join()"
+    )  # fmt: skip
+    code = (
+        ("import ray\n" if where == "ray" else "")
+        + "from pathlib import Path\nfrom raylift import console\n"
+        f"console.route_driver(Path({str(tmp_path / 'run.log')!r}))\n{body}\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert "ValueError: boom" in done.stderr, done.stderr
+    assert "ValueError: boom" in (tmp_path / "run.log").read_text()

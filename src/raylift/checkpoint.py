@@ -255,7 +255,10 @@ def newest_written(run_dir: str) -> str | None:
         names = {name for name, _ in storage.files_under(candidate)}
         if LOOP_FILE not in names:
             continue
-        world = int(read_loop_state(candidate).get("world_size", 1))
+        try:
+            world = int(read_loop_state(candidate).get("world_size", 1))
+        except CheckpointError:  # cut off (a full disk): the restart passes over it too
+            continue
         if all(_done_file(r) in names for r in range(world)):
             return candidate
     return None

@@ -356,3 +356,23 @@ def test_a_crashed_process_is_named_by_its_signal_or_by_what_left_no_dump() -> N
     )
     assert "node is gone" in Crash(0, "10.0.0.3", 7, None, None).how()
     assert "reclaimed (preempted)" in Crash(0, "10.0.0.3", 7, None, None, preempted=True).how()
+
+
+def test_the_newest_written_checkpoint_passes_over_one_the_disk_cut_off(tmp_path: Path) -> None:
+    """A full disk cut the step-12 checkpoint's loop state to nothing after every rank's
+    completion marker was written: the fault report (and the restart) name step 8, and
+    reading it raises nothing."""
+    import torch
+
+    from raylift.checkpoint import FORMAT, LOOP_FILE, newest_written
+
+    for step, state in ((8, {"format": FORMAT, "world_size": 2}), (12, None)):
+        folder = tmp_path / f"checkpoint-step{step:08d}"
+        folder.mkdir()
+        if state is None:
+            (folder / LOOP_FILE).write_bytes(b"")
+        else:
+            torch.save(state, folder / LOOP_FILE)
+        for rank in range(2):
+            (folder / f"complete-rank{rank}.json").write_text("{}")
+    assert newest_written(str(tmp_path)) == str(tmp_path / "checkpoint-step00000008")

@@ -302,6 +302,11 @@ def log_dir() -> Path:
     return Path(os.environ.get(LOG_DIR_ENV) or Path.cwd() / "raylift-logs")
 
 
+def _log_path(name: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "raylift"
+    return log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+
 def start_log(name: str) -> Path | None:
     """This command's log file, from now on: what Ray, torch, DeepSpeed and MLflow print,
     the workers' included. Named once on the console; None with ``--verbose``."""
@@ -309,8 +314,7 @@ def start_log(name: str) -> Path | None:
         return None
     if (known := _started.get(name)) is not None and current_log() == known:
         return known  # this run's driver started it already (prep, then train)
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "raylift"
-    path = log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path = _log_path(name)
     route_driver(path)
     _started[name] = path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -413,8 +417,7 @@ def library_quiet(name: str = "raylift") -> Iterator[None]:
         yield
         return
     if current_log() is None:
-        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", name)
-        route_driver(log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+        route_driver(_log_path(name))
     # Their handlers hold the stream they were made with (the terminal, before routing):
     # for the block, one that writes to sys.stderr, a library's line to the log.
     loggers = [logging.getLogger(n) for n in LIBRARY_LOGGERS]

@@ -12,6 +12,7 @@ start whenever the cluster has more than one node.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -376,13 +377,23 @@ def writable(where: str, key: str) -> None:
     naming the URI, the store's own message and the fix, before anything was written."""
     made = _first_missing(where)
     problem, _ = storage_probe(where, uuid.uuid4().hex[:12], "driver")
-    if made is not None and made.exists() and not any(p.is_file() for p in made.rglob("*")):
-        shutil.rmtree(made, ignore_errors=True)  # the check leaves no folder behind
+    if made is not None:
+        _remove_empty(made)  # the check leaves no folder behind
     if problem:
         raise EnvironmentProblem(
             f"{key}: {problem}; check the URI (its bucket), this machine's credentials "
             f"and network, or set {key} to a place you can write"
         )
+
+
+def _remove_empty(top: Path) -> None:
+    """The empty folders at and under ``top``, deepest first; one another command put a
+    file in meanwhile (two commands on one new storage folder) stays, and so do its parents."""
+    with contextlib.suppress(OSError):  # another command's check removed it first
+        folders = sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+        for folder in [*folders, top]:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
 
 def _first_missing(where: str) -> Path | None:

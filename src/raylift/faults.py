@@ -44,8 +44,8 @@ class FaultReporter(UserCallback):
         # The folder, not Ray's record: a checkpoint written just before the failure may
         # not be registered yet, and the restart resumes from it (raylift.worker.resume).
         start = newest_written(self.run_dir)
-        _, exc = primary(worker_exceptions)
-        crash = Crash.find(exc, self.tracking) if died(exc) else None
+        rank, exc = primary(worker_exceptions)
+        crash = Crash.find(exc, self.tracking, rank) if died(exc) else None
         if crash is not None:
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
@@ -77,16 +77,15 @@ class Crash:
     preempted: bool = False  # Ray says its node was reclaimed
 
     @classmethod
-    def find(cls, exc: Any, tracking: Any) -> Crash | None:
+    def find(cls, exc: Any, tracking: Any, rank: int) -> Crash | None:
         """The crash of the process behind ``exc`` (Ray's ``ActorDiedError``), from what it
         told the tracking actor when it started; None if it never did."""
         import ray
 
-        actor_id = _actor_id(exc)
-        if tracking is None or actor_id is None:
+        if tracking is None:
             return None
         try:
-            record = ray.get(tracking.worker_record.remote(actor_id))
+            record = ray.get(tracking.worker_record.remote(_actor_id(exc), rank))
         except Exception:  # the tracking actor's node is gone too: Ray's account only
             return None
         if record is None:

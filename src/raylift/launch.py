@@ -732,7 +732,7 @@ def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> s
         what, node = cause(failed)
         # A dead process has no traceback of its own (the controller showed the end of its
         # stderr); an exception in the task's code has.
-        crash = Crash.find(failed, tracking) if died(failed) else None
+        crash = Crash.find(failed, tracking, rank) if died(failed) else None
         what = crash.how() if crash is not None else what
         where = f" on node {node}" if node else ""
         root: BaseException = failed

@@ -356,8 +356,13 @@ class Store:
         if actor_id in self._workers:
             self._workers[actor_id]["memory"] = (used, total)
 
-    def worker_record(self, actor_id: str) -> dict[str, Any] | None:
-        return self._workers.get(actor_id)
+    def worker_record(self, actor_id: str | None, rank: int) -> dict[str, Any] | None:
+        """By the dead actor's id; else (Ray's error did not carry it) the newest process
+        of that rank."""
+        if actor_id in self._workers:
+            return self._workers[actor_id]
+        same = [r for r in self._workers.values() if r["rank"] == rank]
+        return same[-1] if same else None
 
     @property
     def client(self) -> Any:

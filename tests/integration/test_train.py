@@ -159,9 +159,9 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     # crash names how it died and its node's memory, the fault line what raylift does.
     lines = out.splitlines()
     assert not [line for line in lines if not line.startswith((*OURS, "    "))], out
-    (crash,) = [
-        line for line in lines if "without a Python error" in line and "failed:" not in line
-    ]
+    crashes = [ln for ln in lines if "without a Python error" in ln and "failed:" not in ln]
+    assert len(crashes) == 1, out[-4000:]
+    (crash,) = crashes
     assert (
         crash.startswith("raylift: worker rank 1 on node ")
         and "SIGKILL, often the kernel's OOM killer; node " in crash

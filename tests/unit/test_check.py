@@ -105,3 +105,17 @@ def test_a_gpu_nodes_facts_are_read_with_its_gpus_hidden() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     cuda, nccl, memory = ast.literal_eval(out.stdout)
     assert cuda != "-" and nccl != "-" and memory > 1.0, out
+
+
+def test_the_storage_checks_cleanup_keeps_what_another_command_wrote(tmp_path: Path) -> None:
+    """Two commands on one new storage folder: the check removes only empty folders, and
+    one that another command already removed is no error."""
+    from raylift.check import _remove_empty
+
+    top = tmp_path / "runs"
+    (top / "empty" / "deeper").mkdir(parents=True)
+    (top / "theirs").mkdir()
+    (top / "theirs" / ".raylift-lock").write_text("pid 7")
+    _remove_empty(top)
+    assert sorted(p.name for p in top.iterdir()) == ["theirs"]
+    _remove_empty(tmp_path / "gone")  # removed by the other command's check first

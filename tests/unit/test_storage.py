@@ -71,9 +71,13 @@ def test_a_prep_removes_only_generations_no_manifest_names_that_are_a_week_old(
     past = time.time() - STALE_GENERATION_S - 60
     for name in ("gen-old", "gen-current", "train"):
         os.utime(tmp_path / name / "part-0.parquet", (past, past))
+    # Another prep's generation, made a moment ago, with no file written into it yet.
+    starting = time.strftime("gen-%Y%m%d-%H%M%S-0a1b2c3d")
+    (tmp_path / starting).mkdir()
     said: list[str] = []
     _remove_stale_generations(str(tmp_path), keep="gen-current", log=said.append)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gen-current", "gen-young", "train"]
+    kept = ["gen-current", "gen-young", starting, "train"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
     assert said == [f"raylift: prep removed {tmp_path}/gen-old, unused for over a week"]
 
 

@@ -288,10 +288,22 @@ def _remove_stale_generations(root: str, keep: str, log: Any) -> None:
         if name == keep:
             continue
         files = fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
-        newest = max((f.mtime.timestamp() for f in files if f.mtime is not None), default=0.0)
+        # A generation another prep is still writing may have no file yet: its name's
+        # time counts as a write, or it would look a week old and be deleted under it.
+        written = [f.mtime.timestamp() for f in files if f.mtime is not None]
+        newest = max([*written, _generation_started(name)])
         if now - newest > STALE_GENERATION_S:
             fs.delete_dir(info.path)
             log(f"raylift: prep removed {join(root, name)}, unused for over a week")
+
+
+def _generation_started(name: str) -> float:
+    """When a generation folder was made, from its name (``gen-YYYYmmdd-HHMMSS-id``);
+    0 for a name of another shape."""
+    try:
+        return time.mktime(time.strptime(name[len(GENERATION) :][:15], "%Y%m%d-%H%M%S"))
+    except ValueError:
+        return 0.0
 
 
 def _write_staged(task: Task, root: str, fp: str, log: Any, replace: bool) -> Manifest:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import time
 from collections.abc import Callable
@@ -35,7 +34,8 @@ def tensors(task: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 
 class LocalReporter:
-    """Checkpoints copied into ``root/name`` (ranks merge, as Ray does); metrics kept."""
+    """Checkpoints under ``root/name`` (every rank uploads its part there, as on Ray);
+    metrics kept; crashes and preemption notices on cue."""
 
     def __init__(
         self,
@@ -54,34 +54,35 @@ class LocalReporter:
         self.preempt_calls += 1
         return self.preempt_at_call is not None and self.preempt_calls >= self.preempt_at_call
 
-    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+    def report(self, metrics: dict[str, float]) -> None:
         self.metrics.append(metrics)
-        if checkpoint is not None and name is not None:
-            dest = self.root / name
-            crash = self.crash_after_step is not None and metrics["step"] >= self.crash_after_step
-            if crash and self.cut_write:
-                copy_cut_off(checkpoint, dest)
-                raise KeyboardInterrupt("simulated crash while writing a checkpoint")
-            shutil.copytree(checkpoint, dest, dirs_exist_ok=True)
-            self.checkpoints.append(dest)
-            if crash:
-                raise KeyboardInterrupt("simulated crash after checkpoint")
+
+    def destination(self, name: str) -> str:
+        return str(self.root / name)
+
+    def register(self, metrics: dict[str, float], name: str) -> None:
+        self.metrics.append(metrics)
+        dest = self.root / name
+        crash = self.crash_after_step is not None and metrics["step"] >= self.crash_after_step
+        if crash and self.cut_write:
+            cut_off(dest)
+            raise KeyboardInterrupt("simulated crash while writing a checkpoint")
+        self.checkpoints.append(dest)
+        if crash:
+            raise KeyboardInterrupt("simulated crash after checkpoint")
 
 
-def copy_cut_off(src: Path, dest: Path) -> None:
-    """Copy a checkpoint as a write cut off half-way leaves it: the largest file truncated,
-    the files after it (in write order, the rank's completion mark last) never written."""
+def cut_off(folder: Path) -> None:
+    """Leave a checkpoint as a write cut off half-way does: the largest file truncated,
+    the files after it (in write order, the ranks' completion lists last) never written."""
     files = sorted(
-        (p for p in src.rglob("*") if p.is_file()), key=lambda p: p.name.startswith("complete-")
+        (p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.name.startswith("complete-")
     )
     biggest = max(files, key=lambda p: p.stat().st_size)
-    for path in files:
-        target = dest / path.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if path == biggest:
-            target.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-            return
-        shutil.copy2(path, target)
+    after = files[files.index(biggest) + 1 :]
+    biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+    for path in after:
+        path.unlink()
 
 
 class ListTracker:

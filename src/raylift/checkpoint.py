@@ -6,14 +6,16 @@ step, epoch, data position, LR schedule, early stopping, scaler; written by
 rank 0) and each rank's RNG state. Everything is read back with
 ``torch.load(weights_only=True)``: no pickled code is ever executed.
 
-Each rank ends its part with ``complete-rank<r>.json``, the size and xxh3-64 checksum
-of every file it wrote. A checkpoint is intact when every rank's list is there and every file
-has its listed size and checksum: a write that was cut off (a killed worker, a full
-disk) or a file damaged since (a flipped block, a partial overwrite of the same size)
-is caught before anything is loaded, and the resume falls back to the previous intact
-one. xxh3 because it hashes at memory speed (about 9 GB/s on one core here, 4x zlib's
-CRC-32): checking what was just written costs a few percent of writing it
-(``benchmarks/checksum.py``).
+Each rank ends its part with ``complete-rank<r>.json``: the size of every file it wrote,
+its xxh3-64 checksum, and one per 1 MiB block. A checkpoint is complete when every rank's
+list is there and every file has its listed size (a listing tells); it is intact when
+the bytes match too. A restore reads through :class:`CheckpointReader`: each rank reads
+only the ranges it needs (its own shards), straight from the store, and each block is
+checked as it arrives, so a write that was cut off (a killed worker, a full disk) or a
+file damaged since (a flipped block) stops the load, and the resume falls back to the
+previous intact checkpoint, without anything being read twice. xxh3 because it hashes at
+memory speed (about 9 GB/s on one core here, 4x zlib's CRC-32): checking what was just
+written costs a few percent of writing it (``benchmarks/checksum.py``).
 """
 
 from __future__ import annotations
@@ -22,27 +24,31 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import random
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
 from raylift import storage
 from raylift.context import WorkerContext
+from raylift.ranged import (
+    BLOCK,
+    CheckpointError,
+    Listed,
+    VerifiedFile,
+    block_digests,
+    block_starts,
+)
 from raylift.strategies.base import Engine
 
 FORMAT = 1
 LOOP_FILE = "loop_state.pt"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used for resuming; the message says why and what to do."""
+__all__ = ["CheckpointError", "CheckpointReader", "Checkpointer", "LoopState"]
 
 
 def _rng_file(rank: int) -> str:
@@ -72,21 +78,41 @@ def _done_file(rank: int) -> str:
     return f"complete-rank{rank}.json"
 
 
-def save_checkpoint(directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int) -> None:
-    """Collective: every rank calls this with its own (possibly local) ``directory``."""
+def write_checkpoint(
+    directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int
+) -> dict[str, list[int]]:
+    """Collective: every rank writes its part into its own local ``directory``; where
+    each item starts in the engine's files (:func:`seal_checkpoint` checksums by them)."""
     directory.mkdir(parents=True, exist_ok=True)
-    engine.save(directory)
+    items = engine.save(directory)
     torch.save(rng_state(), directory / _rng_file(rank))
     if rank == 0:
         state = {"format": FORMAT, **loop_state, "engine_extra": engine.extra_state()}
         torch.save(state, directory / LOOP_FILE)
-    # Last: this rank's part counts only once every file it wrote is whole.
+    return items
+
+
+def seal_checkpoint(directory: Path, items: dict[str, list[int]]) -> str:
+    """The text of this rank's ``complete-rank<r>.json``: the size and checksums of every
+    file it wrote. Written last, after the files: the part counts only once it is there."""
     listed = {
-        str(p.relative_to(directory)): {"size": p.stat().st_size, "xxh3": file_digest(p)}
+        str(p.relative_to(directory)): _listed(p, items.get(str(p.relative_to(directory))))
         for p in sorted(directory.rglob("*"))
         if p.is_file() and not p.name.startswith("complete-rank")
     }
-    (directory / _done_file(rank)).write_text(json.dumps(listed, indent=0))
+    return json.dumps(listed, indent=0)
+
+
+def _listed(path: Path, items: list[int] | None) -> dict[str, Any]:
+    """A file's size and checksums: whole, and per block (a block starts at every item
+    the engine wrote into it and every 1 MiB within one)."""
+    size = path.stat().st_size
+    starts = block_starts(size, items)
+    whole, blocks = block_digests(storage.read_chunks(str(path)), starts)
+    entry: dict[str, Any] = {"size": size, "xxh3": whole, "blocks": blocks}
+    if starts != block_starts(size):  # only where they are not every BLOCK bytes
+        entry["starts"] = starts
+    return entry
 
 
 def file_digest(path: str | Path) -> str:
@@ -103,17 +129,14 @@ def file_digest(path: str | Path) -> str:
 Verifier = Callable[[str], None]
 
 
-def verify_checkpoint(directory: str, share: tuple[int, int] = (0, 1)) -> None:
-    """Raise :class:`CheckpointError` unless every rank finished writing ``directory``
-    (a local folder or a URI).
-
-    Pure file checks. Every file's size is checked; its checksum only where it falls in
-    ``share`` (``(index, count)``: every ``count``-th file from the ``index``-th), so the
-    workers of a resume each read a part of the checkpoint (``verify_together``).
-    """
+def listing(directory: str) -> dict[str, Listed]:
+    """What the ranks that wrote ``directory`` recorded of its files, by name; raises
+    :class:`CheckpointError` unless every rank finished and every file has its size
+    (one listing of the folder, no file's bytes read but the records')."""
     state = read_loop_state(directory)
     world = int(state.get("world_size", 1))
-    sizes = dict(storage.files_under(directory))  # one listing for every size check
+    sizes = dict(storage.files_under(directory))
+    files: dict[str, Listed] = {}
     for rank in range(world):
         done = _done_file(rank)
         text = storage.read_text(storage.join(directory, done))
@@ -123,58 +146,49 @@ def verify_checkpoint(directory: str, share: tuple[int, int] = (0, 1)) -> None:
                 f"finished writing it ({done} is missing)"
             )
         try:
-            listed_files = json.loads(text)
+            recorded = json.loads(text)
         except ValueError as exc:  # cut off mid-write: a disk that filled up, a killed copy
             raise CheckpointError(
                 f"checkpoint {directory} is incomplete: rank {rank}'s {done} is unreadable ({exc})"
             ) from exc
-        for i, (name, listed) in enumerate(sorted(listed_files.items())):
-            mine = (i + rank) % share[1] == share[0]  # each rank's files spread over readers
-            _verify_file(directory, name, listed, sizes.get(name), rank, digest=mine)
+        for name, entry in recorded.items():
+            files[name] = _entry(name, entry, rank)
+            if sizes.get(name) != files[name].size:
+                have = sizes.get(name)
+                raise CheckpointError(
+                    f"checkpoint {directory} is incomplete: {name} has "
+                    f"{'no file' if have is None else f'{have} bytes'}, rank {rank} wrote "
+                    f"{files[name].size}"
+                )
+    return files
 
 
-def verify_together(rank: int, world: int) -> Verifier:
-    """A collective ``verify_checkpoint``: each of ``world`` ranks reads 1/world of the
-    files, and every rank gets the first problem any of them found (the same verdict
-    on all, as a resume needs): N ranks read the checkpoint once between them, not N
-    times."""
-
-    if world == 1:
-        return verify_checkpoint
-
-    def verify(directory: str) -> None:
-        import torch.distributed as dist
-
-        try:
-            verify_checkpoint(directory, (rank, world))
-            problem = None
-        except CheckpointError as exc:
-            problem = str(exc)
-        found: list[str | None] = [None] * world
-        dist.all_gather_object(found, problem)
-        first = next((p for p in found if p), None)
-        if first:
-            raise CheckpointError(first)
-
-    return verify
+def _entry(name: str, entry: Any, rank: int) -> Listed:
+    """A record of one file; lists from before checksums hold its size alone."""
+    if isinstance(entry, int):
+        return Listed(name, entry, [], block_starts(entry), writer=rank)
+    size, blocks = entry["size"], entry.get("blocks", [])
+    starts = entry.get("starts") or block_starts(size, block=entry.get("block", BLOCK))
+    return Listed(name, size, blocks, starts, rank, entry.get("xxh3"))
 
 
-def _verify_file(
-    directory: str, name: str, listed: Any, have: int | None, rank: int, digest: bool
-) -> None:
-    """Size first (free: from the listing), then the checksum; lists from before
-    checksums hold sizes only."""
-    size, xxh3 = (listed, None) if isinstance(listed, int) else (listed["size"], listed["xxh3"])
-    if have != size:
-        raise CheckpointError(
-            f"checkpoint {directory} is incomplete: {name} has "
-            f"{'no file' if have is None else f'{have} bytes'}, rank {rank} wrote {size}"
-        )
-    if digest and xxh3 is not None and file_digest(storage.join(directory, name)) != xxh3:
-        raise CheckpointError(
-            f"checkpoint {directory} is corrupt: {name} does not match the checksum rank "
-            f"{rank} recorded when it wrote it (same size, different content)"
-        )
+def verify_checkpoint(directory: str) -> None:
+    """Raise :class:`CheckpointError` unless every rank finished writing ``directory``
+    (a local folder or a URI) and every file's bytes match their checksums: a whole
+    read of the checkpoint (``raylift verify``, export; a restore checks as it reads)."""
+    for name, listed in sorted(listing(directory).items()):
+        whole = listed.whole
+        if whole is not None and file_digest(storage.join(directory, name)) != whole:
+            raise CheckpointError(
+                f"checkpoint {directory} is corrupt: {name} does not match the checksum rank "
+                f"{listed.writer} recorded when it wrote it (same size, different content)"
+            )
+
+
+def check_listing(directory: str) -> None:
+    """:func:`listing`'s verdict alone: complete as far as a listing tells. A resume
+    checks the bytes as it reads them (:class:`CheckpointReader`)."""
+    listing(directory)
 
 
 def checkpoint_step(path: str | Path) -> int:
@@ -195,6 +209,13 @@ def resume_point(
         return latest
     except CheckpointError as exc:
         log(f"raylift: {exc}; looking for the previous complete checkpoint")
+    return previous_complete(latest, log, verify)
+
+
+def previous_complete(
+    latest: str, log: Callable[[str], None] = print, verify: Verifier = verify_checkpoint
+) -> str:
+    """The newest complete checkpoint before ``latest``; :class:`CheckpointError` if none."""
     for candidate in reversed(checkpoint_dirs(storage.parent(latest))):
         if checkpoint_step(candidate) >= checkpoint_step(latest):
             continue
@@ -271,8 +292,14 @@ def read_loop_state(directory: str | Path) -> dict[str, Any]:
             f"checkpoint {directory} is incomplete ({LOOP_FILE} is missing); delete that folder "
             "to resume from the previous checkpoint, or start a new run under another name"
         )
+    return _loop_state(str(directory), io.BytesIO(data))
+
+
+def _loop_state(directory: str, data: Any) -> dict[str, Any]:
     try:
-        state = torch.load(io.BytesIO(data), weights_only=True)
+        state = torch.load(data, weights_only=True)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {directory} is corrupt ({LOOP_FILE}: {exc}); delete that folder to "
@@ -286,25 +313,126 @@ def read_loop_state(directory: str | Path) -> dict[str, Any]:
     return dict(state)
 
 
-def load_checkpoint(directory: Path, engine: Engine, rank: int, strategy: str) -> dict[str, Any]:
+def _alone(problem: str | None) -> None:
+    if problem:
+        raise CheckpointError(problem)
+
+
+def agree_across(world: int) -> Callable[[str | None], None]:
+    """A collective verdict: every rank raises the first problem any rank found, so no
+    rank goes on into a loader's collectives while another has given up."""
+    if world == 1:
+        return _alone
+
+    def agree(problem: str | None) -> None:
+        import torch.distributed as dist
+
+        found: list[str | None] = [None] * world
+        dist.all_gather_object(found, problem)
+        _alone(next((p for p in found if p), None))
+
+    return agree
+
+
+class CheckpointReader:
+    """One checkpoint's files, local or in an object store, read straight from where
+    they are in the ranges a loader asks for, each block checked against the checksum
+    its writer recorded as it arrives. ``read`` counts the bytes fetched."""
+
+    def __init__(self, directory: str, agree: Callable[[str | None], None] = _alone):
+        self.directory, self.agree = directory, agree
+        self.files = listing(directory)
+        self.read = 0
+        self._fs, self._base = storage.filesystem(directory)
+
+    def has(self, name: str) -> bool:
+        return name in self.files
+
+    def names(self, under: str) -> list[str]:
+        prefix = under.rstrip("/") + "/"
+        return sorted(n for n in self.files if n.startswith(prefix))
+
+    def open(self, name: str) -> VerifiedFile:
+        listed = self.files.get(name)
+        if listed is None:
+            raise CheckpointError(f"checkpoint {self.directory} has no file {name}")
+        # Written before block checksums: the whole file is checked before it is read.
+        old = not listed.blocks and listed.whole is not None
+        if old and file_digest(storage.join(self.directory, name)) != listed.whole:
+            raise CheckpointError(
+                f"checkpoint {self.directory} is corrupt: {name} does not match the "
+                f"checksum rank {listed.writer} recorded when it wrote it"
+            )
+        source = self._fs.open_input_file(f"{self._base.rstrip('/')}/{name}")
+
+        def read_at(offset: int, n: int) -> bytes:
+            return storage.retried(self.directory, lambda: bytes(source.read_at(n, offset)))
+
+        return VerifiedFile(read_at, listed, self.directory, self._count, source.close)
+
+    def _count(self, n: int) -> None:
+        self.read += n
+
+    def load(self, name: str) -> Any:
+        """``torch.load`` of one file (tensors only, to the CPU)."""
+        with self.open(name) as f:
+            return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+
+    def loop_state(self) -> dict[str, Any]:
+        with self.open(LOOP_FILE) as f:
+            return _loop_state(self.directory, f)
+
+    @contextlib.contextmanager
+    def local(self, names: list[str]) -> Iterator[Path]:
+        """A folder on this machine holding ``names``, for loaders that open paths (DeepSpeed):
+        a local checkpoint itself, read through once to check it; else those files alone,
+        checked as they are copied into a temporary folder, removed after."""
+        here = storage.local_path(self.directory)
+        with contextlib.ExitStack() as stack:
+            folder = here or Path(stack.enter_context(storage.scratch("copy")))
+            problem = None
+            try:
+                for name in names:
+                    self._copy(name, None if here else folder / name)
+            except CheckpointError as exc:
+                problem = str(exc)
+            self.agree(problem)
+            yield folder
+
+    def _copy(self, name: str, to: Path | None) -> None:
+        with self.open(name) as f, contextlib.ExitStack() as stack:
+            out = None
+            if to is not None:
+                to.parent.mkdir(parents=True, exist_ok=True)
+                out = stack.enter_context(to.open("wb"))
+            while chunk := f.read(storage.CHUNK):
+                if out is not None:
+                    out.write(chunk)
+
+
+def load_checkpoint(
+    reader: CheckpointReader, engine: Engine, rank: int, strategy: str
+) -> dict[str, Any]:
     """Restore ``engine`` and this rank's RNG; return the loop state saved with them."""
-    state = read_loop_state(directory)
+    directory = reader.directory
+    state = reader.loop_state()
     if state.get("strategy") != strategy:
         raise CheckpointError(
             f"checkpoint {directory} was written by strategy {state.get('strategy')!r} but this "
             f"run uses {strategy!r}; set strategy.name back, or start a new run under another name"
         )
     try:
-        engine.load(directory)
+        engine.load(reader)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"checkpoint {directory}: model/optimizer state unreadable ({exc})"
         ) from exc
     engine.load_extra_state(state.pop("engine_extra", {}))
-    rng_path = directory / _rng_file(rank)
     # After a change of world size a new rank has no RNG file; it keeps its fresh seed.
-    if rng_path.is_file():
-        set_rng_state(torch.load(rng_path, weights_only=True))
+    if reader.has(_rng_file(rank)):
+        set_rng_state(reader.load(_rng_file(rank)))
     return state
 
 
@@ -328,62 +456,42 @@ class LoopState:
     nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
 
 
-STAGING = "raylift-ckpt-"
-_swept = False
-
-
-@contextlib.contextmanager
-def staging() -> Iterator[Path]:
-    """A local folder a rank writes its part of a checkpoint to before the report, named
-    by its process. A worker that is killed mid-save (a SIGKILL, the OOM killer, a group
-    torn down on a failure) cannot remove its own, a copy of its weights; so the first
-    save of each process removes those of processes on this node that are gone."""
-    global _swept
-    if not _swept:
-        _swept = True
-        remove_orphans(Path(tempfile.gettempdir()))
-    with tempfile.TemporaryDirectory(prefix=f"{STAGING}{os.getpid()}-") as tmp:
-        yield Path(tmp)
-
-
-def remove_orphans(root: Path) -> list[Path]:
-    """Remove the staging folders under ``root`` whose process has ended; the removed."""
-    gone = []
-    for folder in root.glob(f"{STAGING}*-*"):
-        pid = folder.name.removeprefix(STAGING).split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            gone.append(folder)
-    return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 class Checkpointer:
-    """Writes a worker's checkpoints through its reporter and reads them back."""
+    """Reads a worker's checkpoints back (:class:`raylift.saving.Saver` writes them)."""
 
     def __init__(self, engine: Engine, ctx: WorkerContext, strategy: str):
         self.engine, self.ctx, self.strategy = engine, ctx, strategy
         self.preempt_saved = False
 
-    def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
-        """Collective: every rank writes its part, then reports it (Ray merges the parts)."""
-        with staging() as tmp:
-            save_checkpoint(tmp, self.engine, loop_state, self.ctx.rank)
-            name = f"checkpoint-step{step:08d}"
-            self.ctx.reporter.report({**metrics, "step": float(step)}, tmp, name)
+    def restore(self, directory: str) -> dict[str, Any]:
+        """Load the engine and this rank's RNG, each rank reading only what it needs; the
+        loop state saved with them. Collective: all ranks load, or all raise."""
+        agree = agree_across(self.ctx.world_size)
+        try:
+            reader = CheckpointReader(directory, agree)
+            saved, problem = (
+                load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy),
+                None,
+            )
+        except CheckpointError as exc:
+            reader, saved, problem = None, {}, str(exc)
+        agree(problem)
+        read = self._all_ranks(reader.read if reader else 0)
+        total = sum(f.size for f in reader.files.values()) if reader else 0
+        self.ctx.log(
+            f"raylift: restore read {read / 2**20:,.1f} MiB of the checkpoint's "
+            f"{total / 2**20:,.1f} MiB ({self.ctx.world_size} ranks together)"
+        )
+        return saved
 
-    def restore(self, directory: Path) -> dict[str, Any]:
-        """Load the engine and this rank's RNG; the loop state saved with them."""
-        return load_checkpoint(directory, self.engine, self.ctx.rank, self.strategy)
+    def _all_ranks(self, n: int) -> int:
+        if self.ctx.world_size == 1:
+            return n
+        import torch.distributed as dist
+
+        counts: list[int] = [0] * self.ctx.world_size
+        dist.all_gather_object(counts, n)  # any backend's group, no tensor on a device
+        return sum(counts)
 
     def record_restart(self, directory: str, state: LoopState, saved_world: int) -> None:
         """One ``restarts`` metric and one tag per resume, and a line that says from where."""

@@ -8,6 +8,7 @@ types and bad values into a single :class:`ConfigError`.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import os
@@ -223,6 +224,9 @@ class TrainConfig:
 class CheckpointConfig:
     every_n_steps: int | None = 200  # null: a checkpoint at the run's end only
     keep: int | None = 3  # newest checkpoints kept; null: all
+    # `async` in YAML: the loop stops only to write its part to local disk; checksums and
+    # the upload to storage go on while it trains (one save in flight at a time).
+    async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -341,7 +345,23 @@ class Config:
         return out + task_problems(self.task, self.task_args)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return _as_dict(self)
+
+
+def _key(field: dataclasses.Field[Any]) -> str:
+    """A field's key in YAML: its name, or the Python keyword it stands for (``async``)."""
+    return str(field.metadata.get("key", field.name))
+
+
+def _as_dict(obj: Any) -> Any:
+    """``dataclasses.asdict`` with each field under its YAML key."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {_key(f): _as_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _as_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_as_dict(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def elastic_accum(cfg: Config, world: int) -> int:
@@ -446,7 +466,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
 
 def _build(cls: Any, raw: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
+    fields = {_key(f): f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         full = f"{prefix}.{key}" if prefix else str(key)
@@ -454,10 +474,10 @@ def _build(cls: Any, raw: Mapping[str, Any], prefix: str, problems: list[str]) -
             problems.append(_unknown_key(full, str(key), fields))
             continue
         field_problems: list[str] = []
-        coerced = _coerce(value, hints[key], full, field_problems)
+        coerced = _coerce(value, hints[fields[key]], full, field_problems)
         problems.extend(field_problems)
         if not field_problems:
-            kwargs[key] = coerced
+            kwargs[fields[key]] = coerced
     # Fields that failed keep their defaults, so the remaining checks still run and
     # the user sees every problem in one pass.
     obj = cls(**kwargs)

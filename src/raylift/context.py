@@ -21,8 +21,17 @@ from raylift.startup import Startup
 
 
 class Reporter(Protocol):
-    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+    def report(self, metrics: dict[str, float]) -> None:
         """Called by every rank at the same points (Ray's report is a barrier)."""
+        ...
+
+    def destination(self, name: str) -> str:
+        """Where the checkpoint ``name`` of this run goes (a folder or a URI)."""
+        ...
+
+    def register(self, metrics: dict[str, float], name: str) -> None:
+        """The checkpoint at ``destination(name)``, complete in storage, is the run's
+        newest. Called by every rank at the same points."""
         ...
 
     def preempting(self) -> bool:

@@ -19,7 +19,6 @@ from typing import Any, cast
 
 import torch
 
-from raylift import storage
 from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
@@ -36,6 +35,7 @@ from raylift.metrics import (
 from raylift.optim import build_scheduler
 from raylift.precision import resolve_precision
 from raylift.progress import Interval, IntervalMeter, Rates, console_line
+from raylift.saving import Saver
 from raylift.strategies import Engine, spec_for
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 from raylift.weights import weights_path
@@ -142,6 +142,7 @@ class Trainer:
         self.clock = PhaseClock(ctx.device, ctx.now)
         self.engine, fps = self._build_engine()
         self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name)
+        self.saver = Saver(self.engine, ctx, cfg.checkpoint.async_)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
         peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
         seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
@@ -232,10 +233,10 @@ class Trainer:
         }
 
     def restore(self, directory: str | Path) -> None:
-        """Resume from a checkpoint folder, local or a URI (loaded from a local copy)."""
+        """Resume from a checkpoint folder, local or a URI (read where it is, each rank
+        reading its own part)."""
         directory = str(directory)
-        with storage.local_copy(directory) as local:
-            saved = self.checkpointer.restore(local)
+        saved = self.checkpointer.restore(directory)
         self.state = LoopState(**saved["loop"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
@@ -272,7 +273,8 @@ class Trainer:
         metrics = {**self.last_metrics, "nonfinite_step": float(step)}
         self.last_metrics = metrics
         self.ctx.tracker.log_metrics({"nonfinite_step": float(step)}, self.state.step)
-        self.ctx.reporter.report(metrics, None, None)
+        self.saver.settle(wait=True)  # the last good checkpoint, complete
+        self.ctx.reporter.report(metrics)
         return metrics
 
     def _check_finite(self, worst: float | None = None) -> None:
@@ -305,6 +307,7 @@ class Trainer:
             self._evaluate_and_report()
         if self.state.step > self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
+        self.saver.settle(wait=True)  # the run ends with its last checkpoint in storage
         if self.state.stopped_early:
             es = self.cfg.train.early_stopping
             self.ctx.log(
@@ -418,6 +421,9 @@ class Trainer:
         if notice:
             self.ctx.log(f"raylift: preemption notice: checkpoint at step {self.state.step}")
             self.checkpoint(self.last_metrics)
+            started = self.clock.now()
+            self.saver.settle(wait=True)  # in storage before the node goes
+            self.clock.pause(self.clock.now() - started)
 
     # ------------------------------------------------------------ metrics
 
@@ -498,12 +504,13 @@ class Trainer:
         self.ctx.tracker.log_metrics(metrics, self.state.step)
         shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("val_"))
         self.ctx.log(f"epoch {self.state.epoch:>3}  step {self.state.step:>6}  eval  {shown}")
-        self.ctx.reporter.report(metrics, None, None)
+        self.saver.settle(wait=False)  # a save the ranks have all uploaded goes on record first
+        self.ctx.reporter.report(metrics)
         self.clock.pause(self.clock.now() - started)
 
     def checkpoint(self, metrics: dict[str, float]) -> None:
         started = self.clock.now()
         self._check_finite()  # never overwrite the last good checkpoint with broken weights
         self.state.last_ckpt_step = self.state.step
-        self.checkpointer.save(self.state.step, self.loop_state(), metrics)
+        self.saver.save(self.state.step, self.loop_state(), metrics)
         self.clock.pause(self.clock.now() - started)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -133,7 +132,7 @@ def log_model(
         log(f"raylift: no checkpoint in {run_dir} to log as the run's model")
         return None
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="raylift-model-") as tmp:
+    with storage.scratch("model") as tmp:
         with console.library_quiet():  # DeepSpeed's converter prints and draws bars
             fmt = model_folder(ckpt, cfg, run_dir, Path(tmp))
         size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
@@ -183,7 +182,7 @@ def download(source: str, staged: str, tracking_uri: str, cfg: Config) -> int:
     from raylift.tasks import build_task
     from raylift.weights import WeightsError, check_for_config
 
-    with tempfile.TemporaryDirectory(prefix="raylift-weights-") as tmp:
+    with storage.scratch("weights") as tmp:
         try:
             tracking.client(tracking_uri)  # MLflow imported and quieted as raylift does
             import mlflow.artifacts

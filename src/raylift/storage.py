@@ -9,6 +9,8 @@ prints. Only the engines' own loaders need files on this machine: :func:`local_c
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -230,6 +232,25 @@ def write_bytes(path: str, data: bytes) -> None:
     retried(path, write)
 
 
+def upload_folder(local: Path, dest: str) -> None:
+    """Copy every file under the local folder ``local`` to ``dest`` (a folder or a URI),
+    in parallel, and tried again once on an object store's transient error."""
+    import pyarrow.fs as pafs
+
+    fs, where = filesystem(dest)
+
+    def copy() -> None:
+        fs.create_dir(where, recursive=True)
+        pafs.copy_files(str(local), where, destination_filesystem=fs, use_threads=True)
+
+    retried(dest, copy)
+
+
+def bytes_under(folder: Path) -> int:
+    """The bytes of every file under a local folder."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` (a local path or a URI), replacing what was there."""
     write_bytes(path, text.encode())
@@ -259,6 +280,66 @@ def delete_dir_if_empty(path: str) -> None:
             fs.delete_dir(where)
 
 
+# Every prefix of the temporary folders raylift fills with model-sized data, whatever its
+# version: a killed process (SIGKILL, the OOM killer) leaves its own behind.
+SCRATCH = ("ckpt", "copy", "ds-universal", "ds", "weights", "model", "artifact")
+UNNAMED_STALE_S = 24 * 3600  # a left folder of a naming with no pid in it, untouched this long
+
+
+def scratch(kind: str) -> tempfile.TemporaryDirectory[str]:
+    """A temporary folder named by this process (``raylift-<kind>-<pid>-...``), so that
+    :func:`sweep_scratch` can tell it from a live one's once the process is killed."""
+    return tempfile.TemporaryDirectory(prefix=f"raylift-{kind}-{os.getpid()}-")
+
+
+def scratch_dir(kind: str) -> Path:
+    """A folder named as :func:`scratch`'s, that outlives the block that made it (a
+    checkpoint's part, uploaded by a thread): its user removes it."""
+    return Path(tempfile.mkdtemp(prefix=f"raylift-{kind}-{os.getpid()}-"))
+
+
+def sweep_scratch(root: Path | None = None) -> tuple[list[Path], int]:
+    """Remove what ended raylift processes left in ``root`` (the temp folder): folders
+    named by a process that is gone, and ones of an older naming (no pid) that nothing
+    has touched for a day. The removed folders and the bytes freed."""
+    root = root or Path(tempfile.gettempdir())
+    removed, freed = [], 0
+    for folder in sorted(root.glob("raylift-*")):
+        if folder.is_dir() and _left(folder.name, folder):
+            files = [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
+            size = sum(p.stat().st_size for p in files)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            freed += size
+    return removed, freed
+
+
+def _left(name: str, folder: Path) -> bool:
+    # Longest first: "ds-universal" is not "ds" followed by a pid.
+    kind = next(
+        (k for k in sorted(SCRATCH, key=len, reverse=True) if name.startswith(f"raylift-{k}-")),
+        None,
+    )
+    if kind is None:
+        return False
+    rest = name.removeprefix(f"raylift-{kind}-")
+    pid, _, tail = rest.partition("-")
+    if pid.isdigit() and tail:
+        return not _alive(int(pid))
+    times = [p.stat().st_mtime for p in folder.rglob("*")] + [folder.stat().st_mtime]
+    return time.time() - max(times) > UNNAMED_STALE_S
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def local_copy(path: str) -> Iterator[Path]:
     """``path`` as a folder on this machine for the length of the block: itself where it
@@ -269,6 +350,6 @@ def local_copy(path: str) -> Iterator[Path]:
     import pyarrow.fs as pafs
 
     fs, where = filesystem(path)
-    with tempfile.TemporaryDirectory(prefix="raylift-copy-") as tmp:
+    with scratch("copy") as tmp:
         pafs.copy_files(where, tmp, source_filesystem=fs, destination_filesystem=None)
         yield Path(tmp)

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from raylift import storage
 from raylift.config import Config, flatten
 
 # Keys whose values are credentials, by the last part of their name: a password, a
@@ -392,9 +393,8 @@ class Store:
 
     def log_artifact(self, run_id: str, filename: str, data: bytes, folder: str | None) -> None:
         """A file of a worker's, sent as its bytes: the worker's disk is not this node's."""
-        import tempfile
 
-        with tempfile.TemporaryDirectory(prefix="raylift-artifact-") as tmp:
+        with storage.scratch("artifact") as tmp:
             path = Path(tmp) / filename
             path.write_bytes(data)
             self.client.log_artifact(run_id, str(path), folder)

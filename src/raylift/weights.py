@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,7 +172,7 @@ def on_this_machine(path: str) -> Iterator[str]:
         yield path
         return
     if path.endswith(".safetensors"):
-        with tempfile.TemporaryDirectory(prefix="raylift-weights-") as tmp:
+        with storage.scratch("weights") as tmp:
             local = Path(tmp) / storage.name(path)
             local.write_bytes(storage.read_bytes(path) or b"")
             yield str(local)

@@ -8,10 +8,8 @@ hands it over in one typed object; each worker builds its data stream, tracker a
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any
 
 from raylift import console, storage
@@ -59,6 +57,7 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     rank, world = rt.get_world_rank(), rt.get_world_size()
     console.route_ray_process(rank)  # its lines and the user's prints reach the console
     console.warnings_once()
+    sweep_scratch(rank)
     check_shared(spec)
     if rank == 0 and startup is not None and restarted(spec, startup):
         # Ray Train restarted the group after a failure: this command's start-up stands as
@@ -72,6 +71,18 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         trainer.run()
     finally:
         trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
+
+
+def sweep_scratch(rank: int) -> None:
+    """Free what killed workers on this node left in its temp folder (checkpoint staging,
+    copies of weights): a node that keeps failing must not fill its disk."""
+    removed, freed = storage.sweep_scratch()
+    if removed:
+        print(
+            f"raylift: rank {rank}: removed {len(removed)} folder(s) that ended processes "
+            f"left in {removed[0].parent}, freeing {freed / 2**20:,.1f} MiB",
+            flush=True,
+        )
 
 
 SHARED_MARKER = ".raylift-driver"
@@ -195,35 +206,49 @@ def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -
 
 def resume(trainer: Any, cfg: Config) -> None:
     """Restore the newest complete checkpoint in the run's folder, local or in an object
-    store, checksums verified first (a damaged newest one falls back to the one before)."""
-    import ray.train
-
+    store; a checkpoint whose bytes fail their checksums as they are read (a damaged
+    newest one) falls back to the one before."""
     from raylift.checkpoint import (
+        CheckpointError,
+        check_listing,
         checkpoint_dirs,
-        checkpoint_step,
         newest_complete,
-        resume_point,
-        verify_together,
+        previous_complete,
     )
 
     log = trainer.ctx.log
-    # The ranks share the checksum reads; every step below is the same on all of them.
-    verify = verify_together(trainer.ctx.rank, trainer.ctx.world_size)
     run_dir = storage.join(cfg.storage, cfg.name)  # resolved by the driver
-    found = newest_complete(run_dir, log, verify)
-    # Ray registers a checkpoint only when its controller polls the report: a worker
-    # killed in between leaves a newer complete one in the folder, which wins.
-    handed = ray.train.get_checkpoint()
-    if handed is not None:
-        registered = storage.as_uri(handed.path, like=run_dir)
-        if found is None or checkpoint_step(registered) > checkpoint_step(found):
-            found = resume_point(registered, log, verify)  # Ray's record, checked too
-        elif checkpoint_step(found) > checkpoint_step(registered):
-            log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
-    if found is not None:
-        trainer.restore(found)  # verified already: not read twice
-    elif checkpoint_dirs(run_dir):
+    found = _newest(run_dir, log, newest_complete(run_dir, log, check_listing))
+    while found is not None:
+        try:
+            trainer.restore(found)  # the same verdict on every rank
+            return
+        except CheckpointError as exc:
+            log(f"raylift: {exc}; looking for the previous complete checkpoint")
+            try:
+                found = previous_complete(found, log, check_listing)
+            except CheckpointError:
+                found = None
+    if checkpoint_dirs(run_dir):
         log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
+
+
+def _newest(run_dir: str, log: Any, found: str | None) -> str | None:
+    """Ray registers a checkpoint only when its controller polls the report: a worker
+    killed in between leaves a newer complete one in the folder, which wins."""
+    import ray.train
+
+    from raylift.checkpoint import check_listing, checkpoint_step, resume_point
+
+    handed = ray.train.get_checkpoint()
+    if handed is None:
+        return found
+    registered = storage.as_uri(handed.path, like=run_dir)
+    if found is None or checkpoint_step(registered) > checkpoint_step(found):
+        return resume_point(registered, log, check_listing)  # Ray's record, checked too
+    if checkpoint_step(found) > checkpoint_step(registered):
+        log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
+    return found
 
 
 def _probe(settings: ProbeSettings | None) -> Any:
@@ -241,12 +266,35 @@ class RayReporter:
     def __init__(self, where: str = ""):
         self.where = where
 
-    def report(self, metrics: dict[str, float], checkpoint: Path | None, name: str | None) -> None:
+    def report(self, metrics: dict[str, float]) -> None:
         import ray.train
 
-        ckpt = ray.train.Checkpoint.from_directory(str(checkpoint)) if checkpoint else None
-        with storage.reaching(self.where, f"saving {name}") if ckpt else contextlib.nullcontext():
-            ray.train.report(metrics, checkpoint=ckpt, checkpoint_dir_name=name if ckpt else None)
+        ray.train.report(metrics)
+
+    def destination(self, name: str) -> str:
+        """Ray Train's own path for the checkpoint (under the run's folder in storage), as
+        a URI where storage is one."""
+        import ray.train
+
+        path = ray.train.get_context().get_storage().build_checkpoint_path_from_name(name)
+        return storage.as_uri(path, like=self.where)
+
+    def register(self, metrics: dict[str, float], name: str) -> None:
+        """raylift uploaded the parts itself (checksums, completion lists last): Ray
+        records the folder where it is, copying nothing."""
+        import ray.train
+
+        ctx = ray.train.get_context().get_storage()
+        ckpt = ray.train.Checkpoint(
+            ctx.build_checkpoint_path_from_name(name), filesystem=ctx.storage_filesystem
+        )
+        with storage.reaching(self.where, f"recording {name}"):
+            ray.train.report(
+                metrics,
+                checkpoint=ckpt,
+                checkpoint_dir_name=name,
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+            )
 
     def preempting(self) -> bool:
         import ray.train

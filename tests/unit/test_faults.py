@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,13 +13,7 @@ import torch
 import torch.distributed as dist
 
 from raylift import storage
-from raylift.checkpoint import (
-    STAGING,
-    CheckpointError,
-    remove_orphans,
-    resume_point,
-    verify_checkpoint,
-)
+from raylift.checkpoint import CheckpointError, resume_point, verify_checkpoint
 from raylift.config import ConfigError, load_config, merge
 from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
 
@@ -189,49 +184,130 @@ def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.Captur
     assert "no checkpoint-step* folders" in capsys.readouterr().err
 
 
-def verify_share(rank: int, world: int, directory: str, out: str) -> None:
-    """In a pool rank: verify ``directory`` together, counting this rank's checksum reads."""
-    import raylift.checkpoint as ckpt
+WIDE_GPT = {
+    "task": "gpt",
+    "task_args": {"block_size": 32, "n_layer": 2, "n_head": 4, "d_model": 256, "max_bytes": 50_000},
+    "data": {"batch_size": 8},
+    "train": {"max_steps": 2, "max_epochs": 1},
+    "checkpoint": {"every_n_steps": 2},
+}
+RESHARDED = {
+    "fsdp": {"name": "fsdp"},
+    "zero3": {"name": "deepspeed", "zero_stage": 3, "config": {"zero_optimization": {
+        "stage3_param_persistence_threshold": 0}}},
+}  # fmt: skip
 
-    digested: list[str] = []
-    real = ckpt.file_digest
 
-    def counting(path: str | Path) -> str:
-        digested.append(Path(path).name)
-        return real(path)
+def restore_from_store(
+    rank: int, world: int, cfg_dict: dict, ckpt: str, endpoint: str, out: str
+) -> None:
+    """In a pool rank: restore ``ckpt`` (an s3:// URI) through the S3 server at ``endpoint``;
+    the problem found (every rank's the same) or the restored parameters."""
+    from raylift.config import config_from_dict
+    from tests.helpers import full_params
+    from tests.unit.test_deepspeed import full_params as zero_params
 
-    ckpt.file_digest = counting  # type: ignore[assignment]
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    trainer = make_trainer(config_from_dict(cfg_dict), rank, world, LocalReporter(Path(out)))
     try:
-        ckpt.verify_together(rank, world)(directory)
-        problem = None
+        trainer.restore(ckpt)
     except CheckpointError as exc:
-        problem = str(exc)
-    finally:
-        ckpt.file_digest = real  # type: ignore[assignment]
-    torch.save({"digested": digested, "problem": problem}, f"{out}.{rank}")
+        torch.save({"problem": str(exc)}, f"{out}.{rank}")
+        return
+    engine = trainer.engine
+    params = zero_params(engine) if hasattr(engine, "ds") else full_params(engine.module)
+    torch.save({"problem": None, "params": params}, f"{out}.{rank}")
 
 
-def test_the_ranks_of_a_resume_share_the_checksum_reads(tmp_path: Path, pg: None) -> None:
-    """Each of 2 ranks reads half of a checkpoint's files, not all of them, and both get
-    the same verdict when the corrupt file is in the other rank's half."""
-    from tests.helpers import run_ranks
+@pytest.mark.parametrize("strategy", sorted(RESHARDED))
+def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
+    tmp_path: Path, s3_server: str, strategy: str
+) -> None:
+    """Restoring a 2-rank checkpoint from the S3 server at 2 ranks and at 1, with the bytes
+    the server sent counted by a proxy in front of it: each rank reads its own shards, not
+    the whole checkpoint, and nothing twice to check it (at most 1.2x the checkpoint). A
+    flipped block in the file rank 1 reads stops both ranks' restore with one verdict."""
+    import pyarrow.fs as pafs
 
-    run(tmp_path, train={"max_steps": 5})
-    latest = tmp_path / "checkpoint-step00000005"
-    files = [p for p in latest.rglob("*") if p.is_file() and not p.name.startswith("complete")]
-    out = str(tmp_path / "share")
-    run_ranks(2, tmp_path, verify_share, str(latest), out)
-    found = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
-    assert [f["problem"] for f in found] == [None, None]
-    digested = [f["digested"] for f in found]
-    assert sorted(digested[0] + digested[1]) == sorted(p.name for p in files)  # each once
-    assert abs(len(digested[0]) - len(digested[1])) <= 1
-    # Corrupt a file rank 1 reads: rank 0 gets the same verdict.
-    victim = next(p for p in files if p.name == digested[1][0])
-    flip_one_block(victim)
-    run_ranks(2, tmp_path, verify_share, str(latest), out)
+    from tests.helpers import CountingProxy, run_ranks, train_keep_checkpoints
+
+    cfg = make_config(**merge(WIDE_GPT, {"strategy": RESHARDED[strategy]})).to_dict()
+    run_ranks(2, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "run"))
+    local = tmp_path / "run" / "checkpoint-step00000002"
+    size = sum(p.stat().st_size for p in local.rglob("*") if p.is_file())
+    uri = f"s3://runs/{strategy}-{tmp_path.name}/checkpoint-step00000002"
+    s3, where = storage.filesystem(uri)
+    pafs.copy_files(str(local), where, destination_filesystem=s3)
+    out = str(tmp_path / "restored")
+    params = {}
+    for world in (2, 1):
+        proxy = CountingProxy(s3_server)
+        try:
+            run_ranks(world, tmp_path, restore_from_store, cfg, uri, proxy.endpoint, out)
+        finally:
+            proxy.close()
+        found = torch.load(f"{out}.0", weights_only=True)
+        assert found["problem"] is None, found["problem"]
+        params[world] = found["params"]
+        assert size > 8 << 20 and proxy.served <= 1.2 * size, (world, proxy.served, size)
+    assert params[1].keys() == params[2].keys()
+    for name, value in params[2].items():
+        assert torch.equal(params[1][name], value), name
+    # Corrupt one block of a file only rank 1 reads, in the store itself.
+    victim = next(
+        n for n, _ in storage.files_under(uri) if re.search(r"(__1_0\.distcp|zero_pp_rank_1_)", n)
+    )
+    data = bytearray(storage.read_bytes(storage.join(uri, victim)) or b"")
+    data[len(data) // 2] ^= 0xFF
+    storage.write_bytes(storage.join(uri, victim), bytes(data))
+    run_ranks(2, tmp_path, restore_from_store, cfg, uri, s3_server, out)
     problems = [torch.load(f"{out}.{r}", weights_only=True)["problem"] for r in range(2)]
-    assert problems[0] == problems[1] and victim.name in problems[0] and "corrupt" in problems[0]
+    assert problems[0] == problems[1] and victim in problems[0] and "corrupt" in problems[0]
+
+
+def train_and_keep_rows(rank: int, world: int, cfg_dict: dict, root: str) -> None:
+    """Train to the end, checkpoints under ``root``; rank 0 keeps what it logged."""
+    from raylift.config import config_from_dict
+
+    tracker = ListTracker()
+    make_trainer(config_from_dict(cfg_dict), rank, world, LocalReporter(Path(root)), tracker).run()
+    if rank == 0:
+        torch.save(tracker.rows, Path(root) / "rows.pt")
+
+
+def test_async_and_sync_saves_write_the_same_checkpoints_and_log_what_they_cost(
+    tmp_path: Path,
+) -> None:
+    """FSDP on 2 ranks, a checkpoint every step (each save waits for the one before):
+    uploaded by a thread while the loop trains, or before it goes on, the same bytes land
+    in storage, and each checkpoint logs the loop's stop, its time to storage and its bytes."""
+    from tests.helpers import GPT_SMALL, run_ranks
+
+    roots = {}
+    for background in (True, False):
+        over = {"strategy": {"name": "fsdp"}, "train": {"max_steps": 3, "max_epochs": 1},
+                "checkpoint": {"every_n_steps": 1, "async": background}}  # fmt: skip
+        cfg = make_config(**merge(GPT_SMALL, over)).to_dict()
+        roots[background] = tmp_path / f"async-{background}"
+        run_ranks(2, tmp_path, train_and_keep_rows, cfg, str(roots[background]))
+    for step in (1, 2, 3):
+        name = f"checkpoint-step{step:08d}"
+        parts = {b: sorted(p.relative_to(r / name) for p in (r / name).rglob("*") if p.is_file())
+                 for b, r in roots.items()}  # fmt: skip
+        assert parts[True] == parts[False] and parts[True]
+        # The shards and RNG states; DCP's .metadata names each save with a random id.
+        engine = [p for p in parts[True] if p.suffix == ".distcp" or p.name.startswith("rng")]
+        assert len(engine) == 4
+        for part in engine:
+            a, b = ((roots[x] / name / part).read_bytes() for x in (True, False))
+            assert a == b, f"{name}/{part} differs between async and sync saves"
+        verify_checkpoint(str(roots[True] / name))
+        logged = next(m for s, m in torch.load(roots[True] / "rows.pt", weights_only=True)
+                      if s == step and "checkpoint_bytes" in m)  # fmt: skip
+        written = sum((roots[True] / name / p).stat().st_size for p in parts[True]
+                      if not p.name.startswith("complete-"))  # fmt: skip
+        assert logged["checkpoint_bytes"] == written
+        assert logged["checkpoint_blocked_s"] > 0 and logged["checkpoint_save_s"] > 0
 
 
 def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_ones(
@@ -311,23 +387,39 @@ def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_resta
     assert first.endswith("from step 0 (no checkpoint was written yet) (restart 1, no limit)")
 
 
-def test_a_killed_workers_staged_checkpoint_is_removed_by_the_next_save(tmp_path: Path) -> None:
+def test_what_killed_processes_left_in_the_temp_folder_is_removed_with_the_bytes_freed(
+    tmp_path: Path,
+) -> None:
     """A rank killed while it staged its part leaves a copy of its weights in the node's
-    temp folder; the next process to save on the node removes it, and only it."""
+    temp folder; the next worker on the node removes it, and those of every naming raylift
+    has used (an older one with no pid in it, once a day untouched), and only those."""
     import subprocess
     import sys
+    import time
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    left = tmp_path / f"{STAGING}{dead}-abc123"
-    (left / "engine").mkdir(parents=True)
-    (left / "engine" / "model.pt").write_bytes(b"weights")
-    mine = tmp_path / f"{STAGING}{os.getpid()}-def456"  # a live process's, mid-save
-    mine.mkdir()
-    other = tmp_path / f"{STAGING}x9y8z7"  # not named by a process: not ours to judge
-    other.mkdir()
-    assert remove_orphans(tmp_path) == [left]
-    assert not left.exists() and mine.is_dir() and other.is_dir()
+    left = {
+        tmp_path / f"raylift-ckpt-{dead}-abc123": 7,
+        tmp_path / f"raylift-ds-universal-{dead}-q1": 3,
+        tmp_path / "raylift-copy-k2j3h4": 5,  # an older naming, a day untouched
+    }
+    for folder, size in left.items():
+        (folder / "engine").mkdir(parents=True)
+        (folder / "engine" / "model.pt").write_bytes(b"w" * size)
+    day_ago = time.time() - storage.UNNAMED_STALE_S - 60
+    for path in [*(tmp_path / "raylift-copy-k2j3h4").rglob("*"), tmp_path / "raylift-copy-k2j3h4"]:
+        os.utime(path, (day_ago, day_ago))
+    kept = [
+        tmp_path / f"raylift-ckpt-{os.getpid()}-def456",  # a live process's, mid-save
+        tmp_path / "raylift-ckpt-x9y8z7",  # an older naming, touched today
+        tmp_path / f"raylift-mlflow-{dead}",  # not one of raylift's model-sized folders
+    ]
+    for folder in kept:
+        folder.mkdir()
+    removed, freed = storage.sweep_scratch(tmp_path)
+    assert sorted(removed) == sorted(left) and freed == 15
+    assert all(not p.exists() for p in left) and all(p.is_dir() for p in kept)
 
 
 def test_a_crashed_process_is_named_by_its_signal_or_by_what_left_no_dump() -> None:

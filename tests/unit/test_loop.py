@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift.checkpoint import LOOP_FILE, CheckpointError, read_loop_state
+from raylift.checkpoint import LOOP_FILE, CheckpointError, _listed, read_loop_state
 from raylift.config import EarlyStoppingConfig, OptimConfig, merge
 from raylift.data.ingest import to_device
 from raylift.loop import LoopState, early_stop_update, seed_everything
@@ -86,7 +87,8 @@ def run_steps(
 def test_resumed_run_continues_the_uninterrupted_loss_curve(tmp_path: Path, pg: None) -> None:
     full, _ = run_steps(tmp_path / "full")
     partial, reporter = run_steps(tmp_path / "cut", crash_after=15)
-    assert max(partial) == 15 and reporter.checkpoints[-1].name.endswith("00000015")
+    # Async saves go on record at the next save: the crash comes then, at step 20.
+    assert max(partial) == 20 and reporter.checkpoints[-1].name.endswith("00000015")
     resumed, _ = run_steps(tmp_path / "resumed", restore=reporter.checkpoints[-1])
     assert min(resumed) == 16 and max(resumed) == 30  # crosses the epoch boundary at 22
     for step in range(16, 31):
@@ -193,8 +195,18 @@ def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path, pg: None) -> 
     state = torch.load(ckpt / LOOP_FILE, weights_only=True)
     state["strategy"] = "fsdp"
     torch.save(state, ckpt / LOOP_FILE)
+    # Recorded as its writer records it: the checksums match, the strategy does not.
+    done = ckpt / "complete-rank0.json"
+    listed = {**json.loads(done.read_text()), LOOP_FILE: _listed(ckpt / LOOP_FILE, None)}
+    done.write_text(json.dumps(listed))
     trainer = make_trainer(make_config(), 0, 1, LocalReporter(tmp_path / "x"))
     with pytest.raises(CheckpointError, match="strategy 'fsdp'"):
+        trainer.restore(ckpt)
+    # A byte changed since it was recorded is caught by its checksum as it is read.
+    data = bytearray((ckpt / LOOP_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (ckpt / LOOP_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"loop_state\.pt bytes 0-\d+ do not match"):
         trainer.restore(ckpt)
 
 

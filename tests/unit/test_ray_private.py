@@ -15,7 +15,10 @@ on it, so a Ray upgrade that changes one says what to mend:
 - ``faults._actor_id``: Train's ``WorkerHealthCheckFailedError`` keeps Ray's
   ``ActorDiedError`` as ``health_check_failure`` (its ``actor_id`` is public);
 - ``faults.cause``: Train's wrapper of a user's exception keeps it as ``_base_exc``, and
-  Ray's ``ActorDiedError`` text names the node as ``ip: ADDRESS``.
+  Ray's ``ActorDiedError`` text names the node as ``ip: ADDRESS``;
+- ``worker.RayReporter``: Train's storage context (``get_context().get_storage()``, a
+  DeveloperAPI) names where a checkpoint goes and its filesystem, so that raylift uploads
+  the parts itself and records them with ``CheckpointUploadMode.NO_UPLOAD``.
 """
 
 from __future__ import annotations
@@ -126,3 +129,28 @@ def test_no_other_private_ray_module_is_imported(module: str) -> None:
     }
     unknown = {f for f in found if not any(f.startswith(a) or a in f for a in allowed)}
     assert not unknown, f"private Ray used in {module} and not listed here: {sorted(unknown)}"
+
+
+def test_trains_storage_context_names_a_checkpoints_path_and_filesystem() -> None:
+    import ray.train
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    needs(
+        getattr(ray.train, "CheckpointUploadMode", None)
+        and ray.train.CheckpointUploadMode.NO_UPLOAD,
+        "ray.train.CheckpointUploadMode.NO_UPLOAD",
+        "worker.RayReporter.register",
+    )
+    needs(getattr(StorageContext, "storage_filesystem", None) or "storage_filesystem" in
+          inspect.getsource(StorageContext.__init__), "StorageContext.storage_filesystem",
+          "worker.RayReporter.register")  # fmt: skip
+    build = getattr(StorageContext, "build_checkpoint_path_from_name", None)
+    needs(build, "StorageContext.build_checkpoint_path_from_name", "worker.RayReporter")
+    assert list(inspect.signature(build).parameters) == ["self", "checkpoint_name"]
+    params = inspect.signature(ray.train.report).parameters
+    needs(params.get("checkpoint_upload_mode"), "report(checkpoint_upload_mode=)", "worker")
+    context = ray.train.get_context  # the DeveloperAPI get_storage() hangs off its result
+    from ray.train.v2.api.context import TrainContext
+
+    needs(getattr(TrainContext, "get_storage", None), "TrainContext.get_storage", "worker")
+    assert callable(context)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raylift.precision import Precision
+from raylift.ranged import Files, dcp_reader
 
 
 class Engine(Protocol):
@@ -51,11 +52,14 @@ class Engine(Protocol):
         gradients instead of updating, and counts in ``skipped_steps``."""
         ...
 
-    def save(self, directory: Path) -> None:
-        """Collective: every rank writes its part of model + optimizer state."""
+    def save(self, directory: Path) -> dict[str, list[int]]:
+        """Collective: every rank writes its part of model + optimizer state. Where each
+        item (tensor) starts in the files this rank wrote, by name, where the format says."""
         ...
 
-    def load(self, directory: Path) -> None: ...
+    def load(self, files: Files) -> None:
+        """Collective: every rank reads back what it needs of the model + optimizer state."""
+        ...
 
     def extra_state(self) -> dict[str, Any]: ...
 
@@ -70,9 +74,11 @@ class Engine(Protocol):
 class StateIO(Protocol):
     """How an engine's model + optimizer state is written to and read from a folder."""
 
-    def save(self, folder: Path) -> None: ...
+    def save(self, folder: Path) -> dict[str, list[int]]: ...
 
-    def load(self, folder: Path) -> None: ...
+    def load(self, files: Files, folder: str) -> None:
+        """Read back from the checkpoint's ``folder`` (``engine``)."""
+        ...
 
 
 class DCPState:
@@ -82,26 +88,46 @@ class DCPState:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path) -> dict[str, list[int]]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+        metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+        # Every rank gets where every item went; each lists the files it wrote itself.
+        starts: dict[str, list[int]] = {}
+        for info in metadata.storage_data.values():
+            if (folder / info.relative_path).is_file():
+                starts.setdefault(f"{folder.name}/{info.relative_path}", []).append(info.offset)
+        return starts
 
-    def load(self, folder: Path) -> None:
+    def load(self, files: Files, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(folder))
+        # DCP's planner picks the ranges this rank's shards need; only those are read.
+        try:
+            dcp.load(state, storage_reader=dcp_reader(files, folder))
+        except dcp.CheckpointException as exc:
+            raise first_failure(exc) from None
         set_state_dict(
             self.model,
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
         )
+
+
+def first_failure(exc: Any) -> Exception:
+    """The error one rank of a DCP load hit, as it was raised there (a checksum mismatch
+    names the file), rather than DCP's every-rank report with its tracebacks. DCP's
+    exception is a BaseException: passed on, it would escape every ``except Exception``."""
+    for _, (failure, _trace) in sorted(exc.failures.items()):
+        if isinstance(failure, Exception):
+            return failure
+    return RuntimeError(str(exc))
 
 
 def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
@@ -209,11 +235,11 @@ class TorchEngine:
             "optimizer": tensor_bytes(v for st in states for v in st.values()),
         }
 
-    def save(self, directory: Path) -> None:
-        self._state_io.save(directory / "engine")
+    def save(self, directory: Path) -> dict[str, list[int]]:
+        return self._state_io.save(directory / "engine")
 
-    def load(self, directory: Path) -> None:
-        self._state_io.load(directory / "engine")
+    def load(self, files: Files) -> None:
+        self._state_io.load(files, "engine")
 
     def extra_state(self) -> dict[str, Any]:
         return {"scaler": self.scaler.state_dict()} if self.scaler else {}

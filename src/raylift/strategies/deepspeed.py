@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,17 +26,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raylift import storage
 from raylift.config import AUTO, Config, merge
 from raylift.init import Initializer, write_in_place, write_zero3
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
+from raylift.ranged import Files
 from raylift.strategies.base import apply_activation_checkpointing
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 
 TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
 ENGINE_DIR = "engine"
 # Per-rank ZeRO partition files DeepSpeed writes under <folder>/<tag>/ (one per DP rank).
-_PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+# Any per-rank file of a ZeRO checkpoint: optimizer partitions, ZeRO-3's model states.
+_RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_")
 # Gradient storage DeepSpeed's ZeRO optimizers keep (names as in deepspeed/runtime/zero/).
 _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition")
 _GRAD_ATTRS_STAGE3 = ("grad_partitions_flat_buffer",)
@@ -418,24 +420,31 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, directory: Path) -> None:
+    def save(self, directory: Path) -> dict[str, list[int]]:
         folder = directory / ENGINE_DIR
         # DeepSpeed lets rank 0 create the folder; with per-rank local folders each makes its own.
         folder.mkdir(parents=True, exist_ok=True)
         self.ds.save_checkpoint(str(folder), tag=TAG)
+        return {}  # a rank reads whole files: its own partitions and the shared ones
 
-    def load(self, directory: Path) -> None:
-        folder = directory / ENGINE_DIR
-        saved = saved_world_size(folder)
+    def load(self, files: Files) -> None:
+        names = files.names(ENGINE_DIR)
+        saved = _partitions(names)
         world = dist.get_world_size()
         if saved is None or saved == world:
-            self._load(folder)
+            # DeepSpeed opens paths: this rank's own partition files and the shared ones
+            # come to this machine (checked as they are read), not the other ranks'.
+            rank = dist.get_rank()
+            mine = [n for n in names if _partition_of(n) in (None, rank)]
+            with files.local(mine) as root:
+                self._load(root / ENGINE_DIR)
             return
         # ZeRO partitions are laid out for `saved` ranks: reshard through DeepSpeed's
-        # universal format. Each rank converts its own copy (no shared file system needed).
-        with tempfile.TemporaryDirectory(prefix="raylift-ds-universal-") as tmp:
+        # universal format, which reads them all. Each rank converts its own copy (no
+        # shared file system needed).
+        with files.local(names) as root, storage.scratch("ds-universal") as tmp:
             universal = Path(tmp)
-            to_universal(folder, universal)
+            to_universal(root / ENGINE_DIR, universal)
             self._load(universal, universal_format=True)
 
     def _load(self, folder: Path, universal_format: bool = False) -> None:
@@ -470,12 +479,18 @@ class DeepSpeedEngine:
 
 def saved_world_size(folder: Path) -> int | None:
     """Data-parallel size a checkpoint's ZeRO partitions were written for; None: unpartitioned."""
-    ranks = {
-        int(m.group(1))
-        for f in (folder / TAG).glob("*optim_states.pt")
-        if (m := _PARTITION_FILE.fullmatch(f.name))
-    }
+    return _partitions([f.name for f in (folder / TAG).glob("*optim_states.pt")])
+
+
+def _partitions(names: Iterable[str]) -> int | None:
+    ranks = {r for n in names if (r := _partition_of(n)) is not None}
     return max(ranks) + 1 if ranks else None
+
+
+def _partition_of(name: str) -> int | None:
+    """The rank whose ZeRO partition the file ``name`` holds; None for a shared file."""
+    match = _RANK_FILE.search(name.rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
 
 
 def to_universal(folder: Path, out: Path) -> None:

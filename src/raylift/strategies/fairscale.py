@@ -9,7 +9,7 @@ optimizer state. fairscale's FSDP needs CUDA, so it is not offered here; the
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from raylift.config import Config
 from raylift.init import Initializer, write_in_place
 from raylift.optim import implementation, optimizer_class_and_kwargs, param_groups
 from raylift.precision import PRECISIONS, Precision
+from raylift.ranged import Files
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 
@@ -50,15 +51,18 @@ class ConsolidatedState:
     def __init__(self, module: nn.Module, optimizer: Any):
         self.module, self.optimizer = module, optimizer
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path) -> dict[str, list[int]]:
         self.optimizer.consolidate_state_dict(recipient_rank=0)  # collective
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
             state = {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}
             torch.save(state, folder / STATE_FILE)
+        return {}  # every rank reads the file whole: blocks of BLOCK bytes serve it
 
-    def load(self, folder: Path) -> None:
-        state = torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")
+    def load(self, files: Files, folder: str) -> None:
+        # One consolidated file: every rank reads it whole and keeps its own partition.
+        with files.open(f"{folder}/{STATE_FILE}") as f:
+            state = torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
 

@@ -1,0 +1,245 @@
+"""Reading a checkpoint in ranges, each byte checked as it arrives.
+
+A restore on N ranks from an object store must not move N copies of the checkpoint, nor
+read it twice to check it. Its writer records an xxh3-64 checksum per block of every file
+(a block starts at every tensor of a DCP file and every ``BLOCK`` bytes within one, so a
+rank that reads one tensor of another rank's file reads no other byte).
+:class:`VerifiedFile` serves any read or seek with ranged reads (a run of blocks in one
+request, whatever the store), checks each block it fetches against its checksum, and keeps
+the last few blocks, so that neighbouring small reads (a zip's header, the next tensor)
+do not fetch a block again. DCP's planner decides which ranges a rank needs;
+:func:`dcp_reader` hands its reads to such files, so a rank of a sharded model reads its
+own shards and little else.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+import io
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+BLOCK = 1 << 20  # the most bytes one recorded checksum covers
+CACHED_BLOCKS = 4  # the blocks a file keeps after a read: a zip's header sits beside its data
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used for resuming; the message says why and what to do."""
+
+
+def block_starts(size: int, items: list[int] | None = None, block: int = BLOCK) -> list[int]:
+    """Where each checked block of a file of ``size`` bytes starts: at every item's start
+    (a DCP file's tensors, so that reading one item reads no byte of another) and every
+    ``block`` bytes within an item."""
+    bounds = sorted({0, *(i for i in items or () if 0 < i < size)})
+    starts: list[int] = []
+    for a, b in zip(bounds, [*bounds[1:], size], strict=True):
+        starts.extend(range(a, max(b, a + 1), block))
+    return starts
+
+
+def block_digests(chunks: Any, starts: list[int]) -> tuple[str, list[str]]:
+    """The xxh3-64 of the whole stream of ``chunks`` and of each block (from each of
+    ``starts`` to the next), in one pass."""
+    import xxhash
+
+    whole, part = xxhash.xxh3_64(), xxhash.xxh3_64()
+    blocks: list[str] = []
+    pos, ends = 0, [*starts[1:], None]
+    for chunk in chunks:
+        whole.update(chunk)
+        view = memoryview(chunk)
+        while view:
+            end = ends[len(blocks)]
+            take = view if end is None else view[: end - pos]
+            part.update(take)
+            pos += len(take)
+            view = view[len(take) :]
+            if pos == end:
+                blocks.append(part.hexdigest())
+                part = xxhash.xxh3_64()
+    if len(blocks) < len(starts):  # the last block (or an empty file's one)
+        blocks.append(part.hexdigest())
+    return whole.hexdigest(), blocks
+
+
+@dataclasses.dataclass
+class Listed:
+    """What a checkpoint's writer recorded of one file."""
+
+    name: str
+    size: int
+    blocks: list[str]  # xxh3-64 per block; [] in checkpoints written before them
+    starts: list[int]  # where each block starts
+    writer: int = 0  # the rank that wrote it
+    whole: str | None = None  # xxh3-64 of the whole file
+
+    def end(self, i: int) -> int:
+        return self.starts[i + 1] if i + 1 < len(self.starts) else self.size
+
+    def index(self, pos: int) -> int:
+        """The block holding byte ``pos``."""
+        return bisect.bisect_right(self.starts, pos) - 1
+
+
+class Files(Protocol):
+    """A checkpoint's files as an engine reads them back
+    (:class:`raylift.checkpoint.CheckpointReader`)."""
+
+    def open(self, name: str) -> io.RawIOBase:
+        """The file ``name`` (relative to the checkpoint), read in checked ranges."""
+        ...
+
+    def has(self, name: str) -> bool: ...
+
+    def names(self, under: str) -> list[str]:
+        """The files below the folder ``under``, as names relative to the checkpoint."""
+        ...
+
+    def local(self, names: list[str]) -> contextlib.AbstractContextManager[Path]:
+        """A folder on this machine holding ``names`` (checked), for loaders that open paths."""
+        ...
+
+
+class VerifiedFile(io.RawIOBase):
+    """A read-only, seekable file over ``read_at(offset, n)`` whose every byte returned has
+    been checked against its block's recorded checksum; ``counted`` gets the bytes fetched."""
+
+    def __init__(
+        self,
+        read_at: Callable[[int, int], bytes],
+        listed: Listed,
+        where: str,
+        counted: Callable[[int], None] = lambda n: None,
+        release: Callable[[], None] = lambda: None,
+    ):
+        super().__init__()
+        self._read_at, self.listed, self.where, self._counted = read_at, listed, where, counted
+        self._release = release
+        self._pos = 0
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._release()
+            self._cache.clear()
+        super().close()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.listed.size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        n = max(0, min(len(out), self.listed.size - self._pos))
+        if n == 0:
+            return 0
+        first, last = self.listed.index(self._pos), self.listed.index(self._pos + n - 1)
+        blocks = self._blocks(first, last)
+        start = self._pos - self.listed.starts[first]
+        out[:n] = memoryview(b"".join(blocks))[start : start + n]
+        self._pos += n
+        return n
+
+    def _blocks(self, first: int, last: int) -> list[bytes]:
+        """Blocks ``first..last``: the cached ones as they are, each run of missing ones in
+        one ranged read, checked block by block."""
+        wanted = range(first, last + 1)
+        got: dict[int, bytes] = {i: self._cache[i] for i in wanted if i in self._cache}
+        i = first
+        while i <= last:
+            if i in got:
+                i += 1
+                continue
+            end = i
+            while end + 1 <= last and end + 1 not in got:
+                end += 1
+            got.update(self._fetch(i, end))
+            i = end + 1
+        for j in range(max(first, last - CACHED_BLOCKS + 1), last + 1):
+            self._cache[j] = got[j]
+            self._cache.move_to_end(j)
+        while len(self._cache) > CACHED_BLOCKS:
+            self._cache.popitem(last=False)
+        return [got[j] for j in wanted]
+
+    def _fetch(self, first: int, last: int) -> dict[int, bytes]:
+        import xxhash
+
+        listed = self.listed
+        offset = listed.starts[first]
+        data = self._read_at(offset, listed.end(last) - offset)
+        self._counted(len(data))
+        out = {}
+        for i in range(first, last + 1):
+            a, b = listed.starts[i], listed.end(i)
+            block = data[a - offset : b - offset]
+            if listed.blocks and xxhash.xxh3_64(block).hexdigest() != listed.blocks[i]:
+                raise CheckpointError(
+                    f"checkpoint {self.where} is corrupt: {listed.name} bytes {a}-{b} do "
+                    f"not match the checksum rank {listed.writer} recorded when it wrote them"
+                )
+            out[i] = block
+        return out
+
+
+def dcp_reader(files: Files, folder: str) -> Any:
+    """A torch.distributed.checkpoint reader of ``folder`` (a name inside the checkpoint)
+    whose files come from ``files``: ranged and checked, nothing copied first."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+    class Opened(FileSystemBase):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Any:
+            with files.open(str(path)) as f:
+                yield f
+
+        def concat_path(self, path: Any, suffix: str) -> str:
+            return f"{path}/{suffix}"
+
+        def init_path(self, path: Any) -> str:
+            return str(path)
+
+        def exists(self, path: Any) -> bool:
+            return files.has(str(path))
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            raise NotImplementedError("a checkpoint is read, never written, here")
+
+        mkdir = rm_file = rename  # type: ignore[assignment]
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return True
+
+    class RangedDCPReader(FileSystemReader):
+        def __init__(self) -> None:
+            super().__init__(folder)
+            self.fs = Opened()  # type: ignore[assignment]
+            self.path = folder
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            # In file order: each block is fetched once, the next item's start from the cache.
+            def where(item: Any) -> tuple[str, int]:
+                info = self.storage_data[item.storage_index]
+                return info.relative_path, info.offset
+
+            ordered = dataclasses.replace(plan, items=sorted(plan.items, key=where))
+            return super().read_data(ordered, planner)
+
+    return RangedDCPReader()

@@ -11,7 +11,7 @@ the task has one. The task comes from the config the run recorded in its folder.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +21,18 @@ from raylift import storage
 from raylift.checkpoint import (
     LOOP_FILE,
     CheckpointError,
+    CheckpointReader,
+    check_listing,
     checkpoint_dirs,
     newest_complete,
+    previous_complete,
     read_loop_state,
     verify_checkpoint,
 )
 from raylift.strategies import REGISTRY
+from raylift.streaming import DCPModel, Spec, write_hf_shards, write_safetensors
+
+Writer = Callable[[list[Spec], Iterator[tuple[Spec, torch.Tensor]]], int]
 
 
 def require_checkpoint(path: str) -> None:
@@ -74,20 +80,51 @@ HF_SHARD = "5GB"  # Hugging Face's own default shard size
 
 def export(path: str, out: Path, fmt: str | None = None) -> tuple[str, int]:
     """Write the consolidated fp32 state_dict to ``out`` as ``fmt`` (by default from the
-    file's suffix); returns (checkpoint used, tensors written)."""
+    file's suffix); returns (checkpoint used, tensors written). safetensors streams
+    (:func:`each_tensor`); ``pt`` is one pickle, built whole in memory."""
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "pt")
     if fmt not in FORMATS:
         raise CheckpointError(f"--format: {fmt!r} is not one of {FORMATS}")
-    ckpt, state = consolidated(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "pt":
+        ckpt, state = consolidated(path)
         torch.save(state, out)
         return ckpt, len(state)
-    from safetensors.torch import save_file
 
-    unique = once_each(state)
-    save_file({k: v.contiguous() for k, v in unique.items()}, str(out), metadata={"format": "pt"})
-    return ckpt, len(unique)
+    def write(specs: list[Spec], tensors: Iterator[tuple[Spec, torch.Tensor]]) -> int:
+        write_safetensors(out, specs, tensors)
+        return len(specs)
+
+    return each_tensor(path, write)
+
+
+def each_tensor(path: str, write: Writer, log: Callable[[str], None] = print) -> tuple[str, int]:
+    """``write(specs, tensors)`` of the newest complete checkpoint at ``path``: the checkpoint
+    used and what ``write`` returns. A DCP checkpoint (ddp, fsdp) streams: one tensor at a
+    time, only the model's ranges read (never the optimizer's), each checked as it arrives;
+    a damaged one is reported and the one before it written instead. Other engines'
+    checkpoints are read whole, checksums verified first."""
+    from raylift.strategies.base import read_dcp_model
+
+    require_checkpoint(path)
+    explicit = storage.is_file(storage.join(path, LOOP_FILE))
+    ckpt = path if explicit else newest_complete(path, log, check_listing)
+    while ckpt is not None:
+        try:
+            spec = REGISTRY.get(read_loop_state(ckpt).get("strategy", ""))
+            if spec is not None and spec.read_export is read_dcp_model:
+                model = DCPModel(CheckpointReader(ckpt))
+                return ckpt, write(model.specs, model.tensors())
+            ckpt, state = consolidated(ckpt, log)
+            kept = once_each(state)
+            specs = [Spec(k, list(v.shape), v.dtype, k) for k, v in kept.items()]
+            return ckpt, write(specs, ((s, kept[s.name]) for s in specs))
+        except CheckpointError as exc:
+            if explicit:
+                raise
+            log(f"raylift: {exc}; looking for the previous complete checkpoint")
+            ckpt = previous_complete(ckpt, log, check_listing)
+    raise CheckpointError(f"{path}: no intact checkpoint here (see `raylift verify {path}`)")
 
 
 def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -137,15 +174,38 @@ def export_hf(
     """A ``save_pretrained`` folder of a run's Hugging Face model: its config, safetensors
     of at most ``max_shard_size`` each (with their index where there is more than one)
     and the tokenizer where the task has one."""
-    from huggingface_hub import save_torch_state_dict
-
     hf_config = hf_config_of(task)
-    ckpt, state = consolidated(path)
+    limit = shard_bytes(max_shard_size)
     out.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    unique = once_each(state)  # tied weights once, as from_pretrained expects
-    save_torch_state_dict(unique, out, max_shard_size=max_shard_size, metadata={"format": "pt"})
-    return ckpt, len(unique)
+
+    def write(specs: list[Spec], tensors: Iterator[tuple[Spec, torch.Tensor]]) -> int:
+        write_hf_shards(out, specs, tensors, limit)
+        return len(specs)
+
+    return each_tensor(path, write)
+
+
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def shard_bytes(size: str | int) -> int:
+    """``--max-shard-size`` in bytes: a number, or one with a unit as Hugging Face writes
+    them (``5GB`` is 5 * 10**9 bytes, ``2GiB`` 2 * 2**30)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().replace(" ", "")
+    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if text.endswith(u)), "")
+    try:
+        value = float(text[: len(text) - len(unit)]) * UNITS.get(unit, 1)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise CheckpointError(
+            f"--max-shard-size: {size!r} is not a size; write it as 5GB, 500MB or 2GiB"
+        )
+    return int(value)

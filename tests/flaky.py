@@ -46,11 +46,18 @@ class NanDigits(DigitsTask):
 class KilledGPT(GPTTask):
     """The gpt task, except that rank 1's worker process is SIGKILLed at its ``kill_at``-th
     training loss, unless ``marker`` exists; the killing writes it, so a restart lives.
-    With ``nan_at``, that loss call (on every rank) is NaN instead."""
+    With ``nan_at``, that loss call (on every rank) is NaN instead. With ``stall_from``,
+    until then every upload of a checkpoint of that step or later stalls between its
+    files and its completion list, as a slow store keeps an async save in flight."""
 
-    def __init__(self, marker: str, kill_at: int = 6, nan_at: int = 0, **kwargs: object):
+    def __init__(
+        self, marker: str, kill_at: int = 6, nan_at: int = 0, stall_from: int = 0,
+        **kwargs: object,
+    ):  # fmt: skip
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.marker, self.kill_at, self.nan_at, self.calls = Path(marker), kill_at, nan_at, 0
+        if stall_from and not self.marker.exists():
+            stall_uploads(stall_from)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         self.calls += 1
@@ -98,3 +105,21 @@ class CrashingDigits(DigitsTask):
 
             ctypes.string_at(0)
         return super().loss(model, batch)
+
+
+def stall_uploads(from_step: int) -> None:
+    """In this process, every upload of ``checkpoint-step<N>`` with N >= ``from_step``
+    writes its files and then waits for ten minutes (the process is killed first)."""
+    import time
+
+    from raylift import storage
+    from raylift.checkpoint import checkpoint_step
+
+    upload = storage.upload_folder
+
+    def stalled(local: Path, dest: str) -> None:
+        upload(local, dest)
+        if checkpoint_step(dest) >= from_step:
+            time.sleep(600)
+
+    storage.upload_folder = stalled  # type: ignore[assignment]

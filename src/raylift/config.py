@@ -224,8 +224,8 @@ class TrainConfig:
 class CheckpointConfig:
     every_n_steps: int | None = 200  # null: a checkpoint at the run's end only
     keep: int | None = 3  # newest checkpoints kept; null: all
-    # `async` in YAML: the loop stops only to write its part to local disk; checksums and
-    # the upload to storage go on while it trains (one save in flight at a time).
+    # the loop stops only to write each rank's part to local disk; checksums and the upload
+    # to storage go on while it trains (one save in flight at a time); false: it waits
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
 
     def problems(self) -> list[str]:
@@ -348,7 +348,7 @@ class Config:
         return _as_dict(self)
 
 
-def _key(field: dataclasses.Field[Any]) -> str:
+def yaml_key(field: dataclasses.Field[Any]) -> str:
     """A field's key in YAML: its name, or the Python keyword it stands for (``async``)."""
     return str(field.metadata.get("key", field.name))
 
@@ -356,7 +356,7 @@ def _key(field: dataclasses.Field[Any]) -> str:
 def _as_dict(obj: Any) -> Any:
     """``dataclasses.asdict`` with each field under its YAML key."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {_key(f): _as_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {yaml_key(f): _as_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):
         return {k: _as_dict(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -466,7 +466,7 @@ def _coerce(value: Any, tp: Any, key: str, problems: list[str]) -> Any:
 
 def _build(cls: Any, raw: Mapping[str, Any], prefix: str, problems: list[str]) -> Any:
     hints = typing.get_type_hints(cls)
-    fields = {_key(f): f.name for f in dataclasses.fields(cls)}
+    fields = {yaml_key(f): f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         full = f"{prefix}.{key}" if prefix else str(key)

@@ -14,7 +14,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from raylift.config import Config
+from raylift.config import Config, yaml_key
 
 HEADER = """# Configuration reference
 
@@ -39,7 +39,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> Iterator[Key]:
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     for field in dataclasses.fields(cls):
-        name = f"{prefix}{field.name}"
+        name = f"{prefix}{yaml_key(field)}"
         nested = section_class(hints[field.name])
         default = default_of(field)
         if nested is not None:

@@ -206,19 +206,26 @@ def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -
 
 def resume(trainer: Any, cfg: Config) -> None:
     """Restore the newest complete checkpoint in the run's folder, local or in an object
-    store; a checkpoint whose bytes fail their checksums as they are read (a damaged
-    newest one) falls back to the one before."""
-    from raylift.checkpoint import (
-        CheckpointError,
-        check_listing,
-        checkpoint_dirs,
-        newest_complete,
-        previous_complete,
-    )
+    store (Ray's record of it too, where that is newer)."""
+    from raylift.checkpoint import check_listing, newest_complete
 
     log = trainer.ctx.log
     run_dir = storage.join(cfg.storage, cfg.name)  # resolved by the driver
     found = _newest(run_dir, log, newest_complete(run_dir, log, check_listing))
+    restore_newest(trainer, run_dir, found)
+
+
+def restore_newest(trainer: Any, run_dir: str, found: str | None) -> None:
+    """Restore ``found``; where its bytes fail their checksums as they are read (a
+    damaged newest checkpoint), the complete one before it, and so on."""
+    from raylift.checkpoint import (
+        CheckpointError,
+        check_listing,
+        checkpoint_dirs,
+        previous_complete,
+    )
+
+    log = trainer.ctx.log
     while found is not None:
         try:
             trainer.restore(found)  # the same verdict on every rank
@@ -294,6 +301,7 @@ class RayReporter:
                 checkpoint=ckpt,
                 checkpoint_dir_name=name,
                 checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+                delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage
             )
 
     def preempting(self) -> bool:

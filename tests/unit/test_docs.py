@@ -17,7 +17,7 @@ import yaml
 
 from raylift import reference
 from raylift.cli import build_parser
-from raylift.config import Config, ConfigError, load_config
+from raylift.config import Config, ConfigError, load_config, yaml_key
 from tests.helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_the_manual_builds_strictly(tmp_path: Path) -> None:
 def every_key(cls: type = Config, prefix: str = "") -> list[str]:
     out = []
     for field in dataclasses.fields(cls):
-        out.append(prefix + field.name)
+        out.append(prefix + yaml_key(field))
         inner = [
             c for c in (*getattr(field.type, "__args__", ()), field.type) if isinstance(c, type)
         ]

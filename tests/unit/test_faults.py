@@ -177,6 +177,28 @@ def test_a_same_size_corruption_falls_back_to_the_previous_intact_checkpoint(
         verify_checkpoint(older.parent)
 
 
+def test_a_resume_whose_newest_checkpoint_fails_its_checksums_as_read_takes_the_one_before(
+    tmp_path: Path, pg: None
+) -> None:
+    """A flipped block in the newest checkpoint's model shard: its listing is complete
+    (sizes match), the restore's checked reads catch it, and the worker resumes from the
+    checkpoint before, saying why."""
+    from raylift.worker import restore_newest
+
+    run(tmp_path, train={"max_steps": 10})
+    newest = tmp_path / "checkpoint-step00000010"
+    flip_one_block(next((newest / "engine").glob("*.distcp")))
+    said: list[str] = []
+    trainer = make_trainer(make_config(**SMALL), 0, 1, LocalReporter(tmp_path / "x"))
+    trainer.ctx.log = said.append
+    restore_newest(trainer, str(tmp_path), str(newest))
+    assert trainer.state.step == 5
+    assert "is corrupt: engine/__0_0.distcp bytes" in said[0] and said[0].endswith(
+        "looking for the previous complete checkpoint"
+    )
+    assert any("resumed from" in line and "checkpoint-step00000005" in line for line in said)
+
+
 def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from raylift.cli import main as cli_main
 

@@ -229,6 +229,8 @@ def main() -> None:
     rows: list[list[Any]] = []
     try:
         bench = Bench(root, s3, model)
+        # The shards on local disk, prepared once: the bytes counted are the checkpoint's.
+        bench.command("prep", str(CONFIG), *model, f"data.shards={root / 'shards'}")
         baseline = import_rss()
         local = stalls(bench, "fsdp", str(root / "runs"))
         rows.append(["fsdp", "local", "-", "-", "-", "-", "-",

@@ -232,10 +232,8 @@ def restore_newest(trainer: Any, run_dir: str, found: str | None) -> None:
             return
         except CheckpointError as exc:
             log(f"raylift: {exc}; looking for the previous complete checkpoint")
-            try:
-                found = previous_complete(found, log, check_listing)
-            except CheckpointError:
-                found = None
+            # Part of the state may be loaded already: no fresh start from a mix of both.
+            found = previous_complete(found, log, check_listing)
     if checkpoint_dirs(run_dir):
         log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
 

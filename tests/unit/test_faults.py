@@ -197,6 +197,10 @@ def test_a_resume_whose_newest_checkpoint_fails_its_checksums_as_read_takes_the_
         "looking for the previous complete checkpoint"
     )
     assert any("resumed from" in line and "checkpoint-step00000005" in line for line in said)
+    # With every checkpoint damaged, the run stops: part of the state may be loaded already.
+    flip_one_block(next((tmp_path / "checkpoint-step00000005" / "engine").glob("*.distcp")))
+    with pytest.raises(CheckpointError, match="no complete checkpoint to resume from"):
+        restore_newest(trainer, str(tmp_path), str(newest))
 
 
 def test_verify_exits_2_with_no_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -47,8 +47,9 @@ class Save:
         """Checksum this rank's part and copy it to storage, its completion list last."""
         try:
             listing = seal_checkpoint(self.folder, self.items)
-            storage.upload_folder(self.folder, self.dest)
-            storage.write_text(storage.join(self.dest, f"complete-rank{rank}.json"), listing)
+            with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
+                storage.upload_folder(self.folder, self.dest)
+                storage.write_text(storage.join(self.dest, f"complete-rank{rank}.json"), listing)
             self.done_s = time.perf_counter() - self.started
         except BaseException as exc:  # raised in the training thread when the ranks settle
             self.error = exc

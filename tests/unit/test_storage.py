@@ -82,7 +82,7 @@ def test_a_prep_removes_only_generations_no_manifest_names_that_are_a_week_old(
 
 
 def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_the_fix(
-    s3_server: str,
+    s3_server: str, tmp_path: Path
 ) -> None:
     """A save into a bucket that is gone, against the S3 server; then the driver's account
     of a worker that failed so (Ray Train's own wrappers): one line, exit 2."""
@@ -90,9 +90,18 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from raylift.launch import _failure_message, _root
+    from raylift.saving import Save
     from raylift.storage import StorageError, reaching, write_bytes
     from tests.helpers import make_config
 
+    part = tmp_path / "part"
+    (part / "engine").mkdir(parents=True)
+    (part / "engine" / "__0_0.distcp").write_bytes(b"shard")
+    dest = "s3://gone/runs/r/checkpoint-step00000004"
+    upload = Save("checkpoint-step00000004", 4, {}, part, {}, dest, 0.0)
+    upload.upload(0)  # a save's thread: the error waits for the ranks to settle
+    assert isinstance(upload.error, StorageError) and not part.exists()
+    assert str(upload.error).startswith(f"storage {dest}: saving checkpoint-step00000004 failed")
     saving = reaching("s3://gone/runs", "saving checkpoint-step00000004")
     with pytest.raises(StorageError) as caught, saving:
         write_bytes("s3://gone/runs/r/checkpoint-step00000004/model.pt", b"weights")

@@ -305,12 +305,16 @@ def sweep_scratch(root: Path | None = None) -> tuple[list[Path], int]:
     root = root or Path(tempfile.gettempdir())
     removed, freed = [], 0
     for folder in sorted(root.glob("raylift-*")):
-        if folder.is_dir() and _left(folder.name, folder):
+        try:
+            if not (folder.is_dir() and _left(folder.name, folder)):
+                continue
             files = [p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()]
             size = sum(p.stat().st_size for p in files)
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-            freed += size
+        except OSError:  # the node's other workers sweep at the same time: one removed it
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+        freed += size
     return removed, freed
 
 

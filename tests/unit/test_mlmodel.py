@@ -26,7 +26,7 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
 def fake_checkpoint(run: Path, step: int, val_loss: float | None, complete: bool = True) -> None:
     """A one-rank checkpoint holding only its loop state: complete (its rank's listing of
-    what it wrote, as ``save_checkpoint`` writes it last) or not."""
+    what it wrote, as a save writes it last) or not."""
     from raylift.checkpoint import file_digest
 
     folder = run / f"checkpoint-step{step:08d}"

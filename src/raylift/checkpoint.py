@@ -26,6 +26,7 @@ import io
 import json
 import random
 import re
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, cast
@@ -33,7 +34,9 @@ from typing import IO, Any, cast
 import torch
 
 from raylift import storage
+from raylift.config import ConfigError
 from raylift.context import WorkerContext
+from raylift.lazytorch import LOCAL_HEADER, data_start
 from raylift.ranged import (
     BLOCK,
     CheckpointError,
@@ -107,12 +110,31 @@ def _listed(path: Path, items: list[int] | None) -> dict[str, Any]:
     """A file's size and checksums: whole, and per block (a block starts at every item
     the engine wrote into it and every 1 MiB within one)."""
     size = path.stat().st_size
-    starts = block_starts(size, items)
+    starts = block_starts(size, items if items is not None else zip_records(path))
     whole, blocks = block_digests(storage.read_chunks(str(path)), starts)
     entry: dict[str, Any] = {"size": size, "xxh3": whole, "blocks": blocks}
     if starts != block_starts(size):  # only where they are not every BLOCK bytes
         entry["starts"] = starts
     return entry
+
+
+def zip_records(path: Path) -> list[int] | None:
+    """Where each member of a zip (a ``torch.save`` file) and its data start, or None for
+    another file: blocks that start there let a reader of one tensor, or of the small
+    pickle at the front or the directory at the end, read no other tensor's bytes."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as archive, path.open("rb") as f:
+        infos = archive.infolist()
+        directory = int(getattr(archive, "start_dir", 0))  # where the zip's directory starts
+        starts = [i.header_offset for i in infos]
+        for info in infos:
+            f.seek(info.header_offset)
+            try:
+                starts.append(data_start(info, f.read(LOCAL_HEADER.size)))
+            except ValueError:  # compressed: not torch.save's; blocks of BLOCK bytes
+                return None
+    return [*starts, directory]
 
 
 def file_digest(path: str | Path) -> str:
@@ -411,9 +433,14 @@ class CheckpointReader:
 
 
 def load_checkpoint(
-    reader: CheckpointReader, engine: Engine, rank: int, strategy: str
+    reader: CheckpointReader,
+    engine: Engine,
+    rank: int,
+    strategy: str,
+    base: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Restore ``engine`` and this rank's RNG; return the loop state saved with them."""
+    """Restore ``engine`` and this rank's RNG; return the loop state saved with them.
+    ``base``: what the run's adapters train on (:func:`raylift.adapters.base_of`)."""
     directory = reader.directory
     state = reader.loop_state()
     if state.get("strategy") != strategy:
@@ -421,6 +448,7 @@ def load_checkpoint(
             f"checkpoint {directory} was written by strategy {state.get('strategy')!r} but this "
             f"run uses {strategy!r}; set strategy.name back, or start a new run under another name"
         )
+    same_base(directory, state.get("base"), base)
     try:
         engine.load(reader)
     except CheckpointError:
@@ -434,6 +462,26 @@ def load_checkpoint(
     if reader.has(_rng_file(rank)):
         set_rng_state(reader.load(_rng_file(rank)))
     return state
+
+
+def same_base(directory: str, saved: dict[str, str] | None, base: dict[str, str] | None) -> None:
+    """ConfigError unless the checkpoint's adapters were trained on this run's base (by
+    its weights' headers; a base that only moved is the same base)."""
+    if saved is None and base is None:
+        return
+    if saved is None or base is None:
+        had, has = ("adapters", "no adapters") if saved else ("no adapters", "adapters")
+        raise ConfigError([
+            f"model.adapter: checkpoint {directory} holds {had}; this run trains {has}. "
+            "Set model.adapter back, or start a new run under another name"
+        ])  # fmt: skip
+    if saved.get("headers") != base.get("headers"):
+        raise ConfigError([
+            f"model.weights: checkpoint {directory} trained adapters on the base "
+            f"{saved.get('weights')} (headers {saved.get('headers')}); this run's base is "
+            f"{base.get('weights')} (headers {base.get('headers')}). Point the run at the "
+            "base it trained on, or start a new run under another name"
+        ])  # fmt: skip
 
 
 # ---------------------------------------------------------------- the loop's side
@@ -459,8 +507,14 @@ class LoopState:
 class Checkpointer:
     """Reads a worker's checkpoints back (:class:`raylift.saving.Saver` writes them)."""
 
-    def __init__(self, engine: Engine, ctx: WorkerContext, strategy: str):
-        self.engine, self.ctx, self.strategy = engine, ctx, strategy
+    def __init__(
+        self,
+        engine: Engine,
+        ctx: WorkerContext,
+        strategy: str,
+        base: dict[str, str] | None = None,
+    ):
+        self.engine, self.ctx, self.strategy, self.base = engine, ctx, strategy, base
         self.preempt_saved = False
 
     def restore(self, directory: str) -> dict[str, Any]:
@@ -470,7 +524,7 @@ class Checkpointer:
         try:
             reader = CheckpointReader(directory, agree)
             saved, problem = (
-                load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy),
+                load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy, self.base),
                 None,
             )
         except CheckpointError as exc:

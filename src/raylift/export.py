@@ -11,6 +11,7 @@ the task has one. The task comes from the config the run recorded in its folder.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,13 +27,11 @@ from raylift.checkpoint import (
     checkpoint_dirs,
     newest_complete,
     previous_complete,
-    read_loop_state,
-    verify_checkpoint,
 )
 from raylift.strategies import REGISTRY
-from raylift.streaming import DCPModel, Spec, write_hf_shards, write_safetensors
+from raylift.streaming import Spec, write_hf_shards, write_safetensors
 
-Writer = Callable[[list[Spec], Iterator[tuple[Spec, torch.Tensor]]], int]
+Writer = Callable[[list[Spec], Iterator[tuple[Spec, torch.Tensor]]], Any]
 
 
 def require_checkpoint(path: str) -> None:
@@ -45,29 +44,17 @@ def require_checkpoint(path: str) -> None:
         )
 
 
-def latest_checkpoint(path: str, log: Callable[[str], None] = print) -> str:
-    """``path`` itself if it is a checkpoint, else the newest intact one inside it (local
-    folders and URIs alike), checksums verified: a damaged checkpoint is never exported."""
-    require_checkpoint(path)
-    if storage.is_file(storage.join(path, LOOP_FILE)):
-        verify_checkpoint(path)
-        return path
-    found = newest_complete(path, log)
-    if found is None:
-        raise CheckpointError(f"{path}: no intact checkpoint here (see `raylift verify {path}`)")
-    return found
-
-
 def consolidated(path: str | Path, log: Callable[[str], None] = print) -> tuple[str, dict]:
-    """The checkpoint used (the newest intact one) and its full fp32 ``state_dict``."""
-    ckpt = latest_checkpoint(str(path), log)
-    strategy = read_loop_state(ckpt).get("strategy", "")
-    spec = REGISTRY.get(strategy)
-    if spec is None:
-        raise CheckpointError(f"{ckpt}: written by unknown strategy {strategy!r}")
-    with storage.local_copy(storage.join(ckpt, "engine")) as engine:  # the engines read files
-        state = spec.read_export(engine)
-    return ckpt, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    """The checkpoint used (the newest intact one) and its full fp32 ``state_dict``, tied
+    weights under each of their names."""
+    state: dict[str, torch.Tensor] = {}
+
+    def keep(specs: list[Spec], tensors: Iterator[tuple[Spec, torch.Tensor]]) -> dict:
+        state.update((spec.name, tensor) for spec, tensor in tensors)
+        return state
+
+    ckpt, _ = each_tensor(str(path), keep, log, aliased=True)
+    return ckpt, state
 
 
 def consolidated_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -98,27 +85,25 @@ def export(path: str, out: Path, fmt: str | None = None) -> tuple[str, int]:
     return each_tensor(path, write)
 
 
-def each_tensor(path: str, write: Writer, log: Callable[[str], None] = print) -> tuple[str, int]:
-    """``write(specs, tensors)`` of the newest complete checkpoint at ``path``: the checkpoint
-    used and what ``write`` returns. A DCP checkpoint (ddp, fsdp) streams: one tensor at a
-    time, only the model's ranges read (never the optimizer's), each checked as it arrives;
-    a damaged one is reported and the one before it written instead. Other engines'
-    checkpoints are read whole, checksums verified first."""
-    from raylift.strategies.base import read_dcp_model
-
+def each_tensor(
+    path: str, write: Writer, log: Callable[[str], None] = print, aliased: bool = False
+) -> tuple[str, Any]:
+    """``write(specs, tensors)`` of the newest complete checkpoint at ``path``: the
+    checkpoint used and what ``write`` returns. Every engine's checkpoint streams: one
+    tensor at a time, only the model's bytes read (never the optimizer's), each block
+    checked as it arrives; a damaged one is reported and the one before it written
+    instead. A tied weight comes once, under its first name (``aliased``: under each)."""
     require_checkpoint(path)
     explicit = storage.is_file(storage.join(path, LOOP_FILE))
     ckpt = path if explicit else newest_complete(path, log, check_listing)
     while ckpt is not None:
         try:
-            spec = REGISTRY.get(read_loop_state(ckpt).get("strategy", ""))
-            if spec is not None and spec.read_export is read_dcp_model:
-                model = DCPModel(CheckpointReader(ckpt))
-                return ckpt, write(model.specs, model.tensors())
-            ckpt, state = consolidated(ckpt, log)
-            kept = once_each(state)
-            specs = [Spec(k, list(v.shape), v.dtype, k) for k, v in kept.items()]
-            return ckpt, write(specs, ((s, kept[s.name]) for s in specs))
+            reader = CheckpointReader(ckpt)
+            spec = REGISTRY.get(reader.loop_state().get("strategy", ""))
+            if spec is None:
+                raise CheckpointError(f"{ckpt}: written by an unknown strategy")
+            model = spec.read_export(reader)
+            return ckpt, write(*_named(model, aliased))
         except CheckpointError as exc:
             if explicit:
                 raise
@@ -127,18 +112,24 @@ def each_tensor(path: str, write: Writer, log: Callable[[str], None] = print) ->
     raise CheckpointError(f"{path}: no intact checkpoint here (see `raylift verify {path}`)")
 
 
-def once_each(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tied tensors (one storage under two names) once, under the first name: safetensors
-    refuses shared storage, and ``model.weights`` fills the other names from it."""
-    seen: set[tuple[int, int]] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor
-    return out
+def _named(model: Any, aliased: bool) -> tuple[list[Spec], Iterator[tuple[Spec, torch.Tensor]]]:
+    """The model's specs and tensors, with each tied name beside the one it shares when
+    ``aliased``."""
+    if not aliased or not model.aliases:
+        return model.specs, model.tensors()
+    by_source: dict[str, list[str]] = {}
+    for alias, name in model.aliases.items():
+        by_source.setdefault(name, []).append(alias)
+
+    def each() -> Iterator[tuple[Spec, torch.Tensor]]:
+        for spec, tensor in model.tensors():
+            yield spec, tensor
+            for alias in by_source.get(spec.name, []):
+                yield dataclasses.replace(spec, name=alias), tensor
+
+    specs = [s2 for s in model.specs for s2 in
+             [s, *(dataclasses.replace(s, name=a) for a in by_source.get(s.name, []))]]  # fmt: skip
+    return specs, each()
 
 
 def hf_config_of(task: object) -> Any:

@@ -42,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylift import storage
+
 # Writes a parameter's full value (a host tensor) into wherever that parameter lives.
 Writer = Callable[[nn.Parameter, torch.Tensor], None]
 Initializer = Callable[[Writer], "InitReport"]
@@ -62,22 +64,19 @@ class InitReport:
     custom_name: str = ""  # which: "the task's init_weights", "the model's _init_weights"
     constructor: int = 0  # kept their constructor's value
     held_bytes: int = 0  # host memory holding constructor values while the model was built
+    adapters: int = 0  # adapter matrices drawn as PEFT draws them (raylift.adapters)
 
     def describe(self, how: str) -> str:
         counts = [(self.reset, "set by reset_parameters()")]
         counts.append((self.custom, f"set by {self.custom_name}"))
         counts.append((self.constructor, "keep their constructor's values"))
+        counts.append((self.adapters, "adapter matrices drawn as PEFT does (B zero)"))
         said = ", ".join(f"{n} {what}" for n, what in counts if n)
         line = f"raylift: initial weights: {how}; parameters: {said}"
         if self.held_bytes:
-            line += f" ({_size(self.held_bytes)} of them held on the host while building)"
+            held = storage.size_text(self.held_bytes)
+            line += f" ({held} of them held on the host while building)"
         return line
-
-
-def _size(n: int) -> str:
-    if n < 1 << 20:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / (1 << 20):.1f} MiB"
 
 
 def resets_itself(module: nn.Module) -> bool:

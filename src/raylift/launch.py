@@ -52,7 +52,8 @@ class RunFailed(RuntimeError):
 
 
 class StorageFailed(RunFailed):
-    """The run's storage failed it mid-run (exit 2: the fix is outside the run)."""
+    """The run's storage failed it mid-run, or its workers found a setting wrong (a
+    resume on another base): exit 2, the fix is outside the code."""
 
 
 @dataclasses.dataclass
@@ -574,7 +575,8 @@ def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
         if _caused_by(exc, "WorkerGroupStartupTimeoutError"):
             raise RunFailed(placement_message(spec.config)) from exc
         said = _failure_message(exc, spec.config, spec.tracking)
-        failed = StorageFailed if _root(exc, StorageError) else RunFailed
+        refused = _root(exc, StorageError) or _root(exc, ConfigError)
+        failed = StorageFailed if refused else RunFailed
         raise failed(said) from exc
     finally:
         if status != "FINISHED":
@@ -746,6 +748,8 @@ def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> s
         trace, head = "", f"training run {cfg.name!r} failed: {text[-1] if text else root!r}"
     if (refused := _root(exc, StorageError)) is not None:
         return f"training run {cfg.name!r} failed: {refused}"
+    if isinstance(wrong := _root(exc, ConfigError), ConfigError):  # found by the workers
+        return f"training run {cfg.name!r} failed: {'; '.join(wrong.problems)}"
     if "No space left on device" in str(root) or getattr(root, "errno", None) == errno.ENOSPC:
         return (
             f"training run {cfg.name!r} failed: the disk under storage {cfg.storage!r} is full "

@@ -24,6 +24,7 @@ from typing import Any
 from raylift import console, storage, tracking
 from raylift.checkpoint import (
     CheckpointError,
+    check_listing,
     checkpoint_dirs,
     checkpoint_step,
     newest_complete,
@@ -66,8 +67,8 @@ def choose_checkpoint(
     evaluation scored best on ``metric`` (``best``; the later one on a tie), from the
     run's folder. A better-scored one that is not complete (a rank never finished it, a
     file is damaged) is passed over, and said so."""
-    if which == "final":
-        return newest_complete(run_dir, log)
+    if which == "final":  # the export checks each block as it reads it
+        return newest_complete(run_dir, log, check_listing)
     scored: list[tuple[float, int, str]] = []
     for ckpt in checkpoint_dirs(run_dir):
         try:

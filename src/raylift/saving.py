@@ -67,6 +67,7 @@ class Saver:
     def __init__(self, engine: Engine, ctx: WorkerContext, background: bool):
         self.engine, self.ctx, self.background = engine, ctx, background
         self.pending: Save | None = None
+        self.last_part = 0  # bytes of this rank's part of the last save
 
     def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
         """Collective: every rank writes its part and starts its upload."""
@@ -75,6 +76,11 @@ class Saver:
         rank = self.ctx.rank
         folder = storage.scratch_dir("ckpt")
         try:
+            self._check_room(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:
             items = write_checkpoint(folder, self.engine, loop_state, rank)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -82,7 +88,8 @@ class Saver:
         name = f"checkpoint-step{step:08d}"
         job = Save(name, step, {**metrics, "step": float(step)}, folder, items,
                    self.ctx.reporter.destination(name), started)  # fmt: skip
-        job.written = sum(self._gather(storage.bytes_under(folder)))
+        self.last_part = storage.bytes_under(folder)
+        job.written = sum(self._gather(self.last_part))
         if self.background:
             job.thread = threading.Thread(
                 target=job.upload, args=(rank,), name=f"raylift-upload-{name}", daemon=True
@@ -94,6 +101,21 @@ class Saver:
         self.pending = job
         if not self.background:
             self.settle(wait=True)
+
+    def _check_room(self, folder: Path) -> None:
+        """Refuse a save whose part cannot fit on this node's local disk, before writing
+        a byte of it: the previous checkpoints stay as they are."""
+        # The last part's size once there is one; before, what this rank holds.
+        held = self.engine.model_state_bytes()
+        need = self.last_part or held.get("params", 0) + held.get("optimizer", 0)
+        free = shutil.disk_usage(folder).free
+        if need > free:
+            raise storage.StorageError(
+                f"a checkpoint's part on rank {self.ctx.rank} needs about "
+                f"{storage.size_text(need)} on this node's local disk ({folder.parent}) "
+                f"before its upload, and {storage.size_text(free)} is free there: free "
+                "space, or set TMPDIR to a larger disk on every node"
+            )
 
     def settle(self, wait: bool) -> None:
         """Collective: register the save in flight if every rank's part is in storage

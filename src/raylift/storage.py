@@ -286,6 +286,14 @@ SCRATCH = ("ckpt", "copy", "ds-universal", "ds", "weights", "model", "artifact")
 UNNAMED_STALE_S = 24 * 3600  # a left folder of a naming with no pid in it, untouched this long
 
 
+def size_text(n: float) -> str:
+    """Bytes as a person reads them: KiB below a MiB, MiB below a GiB, then GiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 1024:.1f} KiB"
+
+
 def scratch(kind: str) -> tempfile.TemporaryDirectory[str]:
     """A temporary folder named by this process (``raylift-<kind>-<pid>-...``), so that
     :func:`sweep_scratch` can tell it from a live one's once the process is killed."""

@@ -17,13 +17,16 @@ import json
 import math
 import pickle
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from raylift.checkpoint import CheckpointReader
+from raylift.lazytorch import load_lazy
+
+if TYPE_CHECKING:
+    from raylift.checkpoint import CheckpointReader
 
 PREFIX = "model."  # raylift's DCP state: {"model": ..., "optim": ...}
 CODES = {
@@ -47,8 +50,52 @@ class Spec:
         return math.prod(self.shape) * torch.empty(0, dtype=self.dtype).element_size()
 
 
+class ModelTensors(Protocol):
+    """A checkpoint's model as an export reads it: what each tensor is, then the tensors
+    one at a time (floating point as fp32), each read when its turn comes."""
+
+    specs: list[Spec]
+    aliases: dict[str, str]  # a tied weight's other name -> the name it is written under
+
+    def tensors(self) -> Iterator[tuple[Spec, torch.Tensor]]: ...
+
+
+class LazyModel:
+    """:class:`ModelTensors` from a reading function per tensor."""
+
+    def __init__(self, entries: list[tuple[Spec, Callable[[], torch.Tensor]]],
+                 aliases: dict[str, str] | None = None):  # fmt: skip
+        self.specs = [spec for spec, _ in entries]
+        self._read = dict((spec.name, read) for spec, read in entries)
+        self.aliases = aliases or {}
+
+    def tensors(self) -> Iterator[tuple[Spec, torch.Tensor]]:
+        for spec in self.specs:
+            yield spec, self._read[spec.name]().to(spec.dtype)
+
+
+def saved_model(reader: CheckpointReader, name: str, key: str) -> LazyModel:
+    """The state_dict under ``key`` of the ``torch.save`` file ``name`` (fairscale's
+    consolidated file, DeepSpeed's unpartitioned module), reading its tensors' bytes only:
+    never the optimizer state saved beside them."""
+    state = load_lazy(cast(IO[bytes], reader.open(name)))[key]
+    entries: list[tuple[Spec, Callable[[], torch.Tensor]]] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    for fqn, lazy in state.items():
+        where = (lazy.start, lazy.offset, tuple(lazy.shape))
+        if where in seen:  # tied: one storage under two names
+            aliases[fqn] = seen[where]
+            continue
+        seen[where] = fqn
+        entries.append((Spec(fqn, list(lazy.shape), _exported(lazy.dtype), fqn), lazy.load))
+    return LazyModel(entries, aliases)
+
+
 class DCPModel:
     """The model's tensors in a DCP checkpoint folder (``engine``), read one at a time."""
+
+    aliases: dict[str, str] = {}  # the metadata lists each name it saved
 
     def __init__(self, reader: CheckpointReader, folder: str = "engine"):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -254,6 +256,7 @@ def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
     the whole checkpoint, and nothing twice to check it (at most 1.2x the checkpoint). A
     flipped block in the file rank 1 reads stops both ranks' restore with one verdict."""
     import pyarrow.fs as pafs
+    from safetensors.torch import load_file
 
     from tests.helpers import CountingProxy, run_ranks, train_keep_checkpoints
 
@@ -279,6 +282,24 @@ def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
     assert params[1].keys() == params[2].keys()
     for name, value in params[2].items():
         assert torch.equal(params[1][name], value), name
+    # `raylift export` reads the model's bytes alone: not the optimizer's moments, nor
+    # anything twice to check it; it writes the restored weights.
+    proxy = CountingProxy(s3_server)
+    out_file = tmp_path / "model.safetensors"
+    try:
+        exported = subprocess.run(
+            [sys.executable, "-m", "raylift.cli", "export", uri, "--out", str(out_file)],
+            env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}, capture_output=True,
+            text=True, check=False,
+        )  # fmt: skip
+    finally:
+        proxy.close()
+    assert exported.returncode == 0, exported.stderr
+    model = load_file(out_file)
+    model_bytes = sum(t.numel() * t.element_size() for t in model.values())
+    assert proxy.served <= 1.2 * model_bytes < 0.5 * size, (proxy.served, model_bytes, size)
+    for name, value in params[2].items():  # a tied weight once, under its first name
+        assert torch.equal(model.get(name, params[2]["tok.weight"]), value), name
     # Corrupt one block of a file only rank 1 reads, in the store itself.
     victim = next(
         n for n, _ in storage.files_under(uri) if re.search(r"(__1_0\.distcp|zero_pp_rank_1_)", n)
@@ -342,10 +363,12 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     """The same code on s3:// (the S3 server): listing, checksums, the fallback past a
     damaged newest checkpoint, a resume from the URI, verify and export."""
     import pyarrow.fs as pafs
+    from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from raylift.checkpoint import newest_complete
+    from raylift.checkpoint import CheckpointReader, newest_complete
     from raylift.cli import main as cli_main
     from raylift.export import consolidated_state_dict
+    from raylift.streaming import DCPModel
 
     run(tmp_path / "run", train={"max_steps": 10})
     run_uri = f"s3://runs/unit-{tmp_path.name}"
@@ -354,11 +377,14 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     newest = f"{run_uri}/checkpoint-step00000010"
     assert cli_main(["verify", run_uri]) == 0
     assert newest_complete(run_uri, print) == newest
-    # A flipped block in the newest checkpoint's largest file, in the store itself.
-    files = storage.files_under(newest)
-    victim = storage.join(newest, max(files, key=lambda f: f[1])[0])
+    # A flipped byte in the newest checkpoint's first weight, in the store itself: what
+    # every reader of it, an export too, must catch.
+    model = DCPModel(CheckpointReader(newest))
+    chunks = model.meta.state_dict_metadata[model.specs[0].fqn].chunks
+    info = model.meta.storage_data[MetadataIndex(model.specs[0].fqn, chunks[0].offsets)]
+    victim = f"{newest}/engine/{info.relative_path}"
     data = bytearray(storage.read_bytes(victim) or b"")
-    data[len(data) // 2] ^= 0xFF
+    data[info.offset + info.length // 2] ^= 0xFF
     storage.write_bytes(victim, bytes(data))
     said: list[str] = []
     older = newest_complete(run_uri, said.append)
@@ -494,3 +520,36 @@ def test_the_newest_written_checkpoint_passes_over_one_the_disk_cut_off(tmp_path
         for rank in range(2):
             (folder / f"complete-rank{rank}.json").write_text("{}")
     assert newest_written(str(tmp_path)) == str(tmp_path / "checkpoint-step00000008")
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` at ``where`` (mounting needs root: the test skips without it)."""
+    where.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"a small disk needs mount: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_save_whose_part_cannot_fit_on_the_local_disk_is_refused_before_writing(
+    tmp_path: Path, pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each save first writes the rank's part to the node's temp folder; a temp folder on
+    a disk too small for it stops the run at the save, with the numbers and the fix, and
+    nothing of it left anywhere."""
+    import tempfile
+
+    with small_disk(tmp_path / "disk", "4k") as disk:
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))
+        with pytest.raises(storage.StorageError) as caught:
+            run(tmp_path / "run", train={"max_steps": 4}, checkpoint={"every_n_steps": 2})
+        said = str(caught.value)
+        assert f"on this node's local disk ({disk})" in said and "set TMPDIR" in said, said
+        assert re.search(r"needs about \d+\.\d [KM]iB .* and \d+\.\d KiB is free there", said)
+        assert list(disk.iterdir()) == []
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

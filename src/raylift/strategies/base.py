@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from raylift.precision import Precision
 from raylift.ranged import Files, dcp_reader
+from raylift.streaming import DCPModel
 
 
 class Engine(Protocol):
@@ -86,13 +86,18 @@ class DCPState:
     checkpoint from N ranks loads on M (DDP replicas and FSDP2 shards alike)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         self.model, self.optimizer = model, optimizer
+        # A frozen base (adapters) is never saved: it comes from its own weights at start.
+        frozen = any(not p.requires_grad for p in model.parameters())
+        self.options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     def save(self, folder: Path) -> dict[str, list[int]]:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
         # Every rank gets where every item went; each lists the files it wrote itself.
         starts: dict[str, list[int]] = {}
@@ -105,7 +110,7 @@ class DCPState:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         # DCP's planner picks the ranges this rank's shards need; only those are read.
         try:
@@ -117,6 +122,7 @@ class DCPState:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=self.options,
         )
 
 
@@ -130,14 +136,10 @@ def first_failure(exc: Any) -> Exception:
     return RuntimeError(str(exc))
 
 
-def read_dcp_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The model's full state_dict from a :class:`DCPState` folder, without a process group."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        target = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(folder), str(target))  # gathers every rank's shards
-        return dict(torch.load(target, weights_only=True)["model"])
+def read_dcp_model(files: Any) -> DCPModel:
+    """The model of a :class:`DCPState` checkpoint (a ``CheckpointReader``), one tensor at
+    a time, reading only the model's ranges."""
+    return DCPModel(files)
 
 
 class TorchEngine:

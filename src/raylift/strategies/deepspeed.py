@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,13 @@ from torch import nn
 from raylift import storage
 from raylift.config import AUTO, Config, merge
 from raylift.init import Initializer, write_in_place, write_zero3
+from raylift.lazytorch import LazyTensor, concat_range, load_lazy
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
 from raylift.strategies.base import apply_activation_checkpointing
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.streaming import LazyModel, Spec, saved_model
 
 TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
 ENGINE_DIR = "engine"
@@ -424,7 +427,8 @@ class DeepSpeedEngine:
         folder = directory / ENGINE_DIR
         # DeepSpeed lets rank 0 create the folder; with per-rank local folders each makes its own.
         folder.mkdir(parents=True, exist_ok=True)
-        self.ds.save_checkpoint(str(folder), tag=TAG)
+        # A frozen base (adapters) is never saved: it comes from its own weights at start.
+        self.ds.save_checkpoint(str(folder), tag=TAG, exclude_frozen_parameters=True)
         return {}  # a rank reads whole files: its own partitions and the shared ones
 
     def load(self, files: Files) -> None:
@@ -458,6 +462,7 @@ class DeepSpeedEngine:
                 tag=TAG,
                 load_optimizer_states=True,
                 load_lr_scheduler_states=False,  # the loop restores its own schedule
+                load_module_strict=not self._frozen(),  # a frozen base is not in it
             )
         finally:
             config.load_universal_checkpoint = before
@@ -466,6 +471,9 @@ class DeepSpeedEngine:
                 f"{folder}: no DeepSpeed checkpoint with tag {TAG!r} there; the folder is "
                 "incomplete (a rank's files missing?): resume from an earlier checkpoint"
             )
+
+    def _frozen(self) -> bool:
+        return any(not p.requires_grad for p in self.ds.module.parameters())
 
     def extra_state(self) -> dict[str, Any]:
         return {}  # the fp16 loss scale lives in DeepSpeed's own checkpoint
@@ -517,33 +525,105 @@ def to_universal(folder: Path, out: Path) -> None:
 
 
 def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """A full fp32 ``state_dict`` for the plain model, from a checkpoint written by this engine.
+    """A full fp32 ``state_dict`` for the plain model, from a checkpoint folder (or its
+    ``engine/`` folder) written by this engine; tied weights under every name."""
+    from raylift.checkpoint import CheckpointReader
 
-    ``directory`` is a checkpoint folder or its ``engine/`` subfolder. Runs without a
-    process group; tied weights come back under every name the model gives them.
-    """
-    folder = directory / ENGINE_DIR if (directory / ENGINE_DIR).is_dir() else directory
-    if not (folder / TAG).is_dir():
+    ckpt = directory.parent if directory.name == ENGINE_DIR else directory
+    model = read_export(CheckpointReader(str(ckpt)))
+    state = {spec.name: tensor for spec, tensor in model.tensors()}
+    return state | {alias: state[name] for alias, name in model.aliases.items()}
+
+
+def read_export(files: Any) -> LazyModel:
+    """The model of a checkpoint this engine wrote, one fp32 tensor at a time: from the
+    ranks' fp32 master partitions, ranged reads of only those (never the Adam moments
+    beside them in each file); buffers and frozen weights from the model-states files."""
+    folder = f"{ENGINE_DIR}/{TAG}"
+    names = files.names(folder)
+    models = sorted((n for n in names if n.endswith("model_states.pt")), key=_rank_order)
+    optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=_rank_order)
+    if not models:
         raise checkpoint_error(
-            f"{directory}: not a raylift DeepSpeed checkpoint (no {ENGINE_DIR}/{TAG} folder); "
-            "pass a checkpoint-step* folder of a run with strategy deepspeed"
+            f"{files.directory}: not a raylift DeepSpeed checkpoint (no {folder}/"
+            "*model_states.pt); pass a checkpoint-step* folder of a run with strategy deepspeed"
         )
-    import_deepspeed("cuda" if torch.cuda.is_available() else "cpu")
-    if saved_world_size(folder) is None:
-        return _unpartitioned_state_dict(folder)
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    if not optim:  # stage 0 without a partitioned optimizer: the module is saved whole
+        return saved_model(files, models[0], "module")
+    states = [load_lazy(files.open(n)) for n in models]
+    parts = [load_lazy(files.open(n))["optimizer_state_dict"] for n in optim]
+    entries = _saved_buffers(states[0]) + _frozen(states) + _trainable(states[0], parts)
+    return LazyModel(entries, dict(states[0].get("shared_params") or {}))
 
-    state = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=TAG)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+def _rank_order(name: str) -> int:
+    return _partition_of(name) or 0
 
 
-def _unpartitioned_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """Stage 0 without a partitioned optimizer: the module's weights are saved whole."""
-    files = sorted((folder / TAG).glob("mp_rank_*_model_states.pt"))
-    if not files:
-        raise checkpoint_error(f"{folder / TAG}: no DeepSpeed model states file in it")
-    saved = torch.load(files[0], map_location="cpu", weights_only=True)
-    return {k: v.float() if v.is_floating_point() else v for k, v in saved["module"].items()}
+Entry = tuple[Spec, Callable[[], torch.Tensor]]
+
+
+def _entry(name: str, shape: Any, dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> Entry:
+    return Spec(name, list(shape), torch.float32 if dtype.is_floating_point else dtype, name), read
+
+
+def _saved_buffers(state: dict[str, Any]) -> list[Entry]:
+    module = state["module"]
+    return [
+        _entry(n, module[n].shape, module[n].dtype, module[n].load)
+        for n in state["buffer_names"] if n in module
+    ]  # fmt: skip
+
+
+def _frozen(states: list[dict[str, Any]]) -> list[Entry]:
+    """Frozen weights: whole in the model states (ZeRO-1/2), or one fragment per rank's
+    model-states file (ZeRO-3)."""
+    shapes = states[0].get("frozen_param_shapes") or {}
+
+    def read(name: str, shape: torch.Size) -> Callable[[], torch.Tensor]:
+        frags = [s["frozen_param_fragments"][name] for s in states]
+        return lambda: torch.cat([f.read() for f in frags])[: shape.numel()].view(shape)
+
+    return [_entry(n, shape, torch.float32, read(n, shape)) for n, shape in shapes.items()]
+
+
+def _trainable(state: dict[str, Any], parts: list[dict[str, Any]]) -> list[Entry]:
+    """The trained weights out of each rank's fp32 partition, as DeepSpeed lays them out
+    (its ``zero_to_fp32``): ZeRO-1/2 cut each group's flat vector into one piece per
+    rank; ZeRO-3 cuts each weight into one padded piece per rank, end to end per rank."""
+    world, stage = len(parts), parts[0]["zero_stage"]
+    shapes: list[dict[str, torch.Size]] = state["param_shapes"]
+    entries: list[Entry] = []
+    if stage <= 2:
+        paddings = parts[0].get("param_alignment_paddings")
+        for g, group in enumerate(shapes):
+            flat = [p["single_partition_of_fp32_groups"][g] for p in parts]
+            offset = 0
+            for i, (name, shape) in enumerate(group.items()):
+                entries.append(_entry(name, shape, torch.float32, _piece(flat, offset, shape)))
+                offset += shape.numel() + (paddings[g][i] if paddings else 0)
+        return entries
+    ranks = [p["fp32_flat_groups"] for p in parts]
+    offset = 0
+    for name, shape in ((n, s) for group in shapes for n, s in group.items()):
+        each = math.ceil(shape.numel() / world)
+        entries.append(_entry(name, shape, torch.float32, _pieces(ranks, offset, each, shape)))
+        offset += each
+    return entries
+
+
+def _piece(flat: list[LazyTensor], offset: int, shape: torch.Size) -> Callable[[], torch.Tensor]:
+    return lambda: concat_range(flat, offset, shape.numel()).view(shape)
+
+
+def _pieces(
+    ranks: list[list[LazyTensor]], offset: int, each: int, shape: torch.Size
+) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        whole = torch.cat([concat_range(groups, offset, each) for groups in ranks])
+        return whole[: shape.numel()].view(shape)
+
+    return read
 
 
 # ---------------------------------------------------------------- byte counting
@@ -606,7 +686,7 @@ SPEC = StrategySpec(
     options=("zero_stage", "offload", "offload_optimizer", "offload_param", "config"),
     problems=problems,
     build=build_deepspeed,
-    read_export=consolidated_state_dict,
+    read_export=read_export,
     create=create,
     build_path="partitioned as built (deepspeed.zero.Init), then initialised module by module",
     plan_rows=(

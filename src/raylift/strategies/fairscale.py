@@ -22,6 +22,7 @@ from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.streaming import LazyModel, saved_model
 
 STATE_FILE = "consolidated.pt"
 
@@ -50,12 +51,15 @@ class ConsolidatedState:
 
     def __init__(self, module: nn.Module, optimizer: Any):
         self.module, self.optimizer = module, optimizer
+        # A frozen base (adapters) is never saved: it comes from its own weights at start.
+        self.frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
 
     def save(self, folder: Path) -> dict[str, list[int]]:
         self.optimizer.consolidate_state_dict(recipient_rank=0)  # collective
         if dist.get_rank() == 0:
             folder.mkdir(parents=True, exist_ok=True)
-            state = {"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}
+            model = {k: v for k, v in self.module.state_dict().items() if k not in self.frozen}
+            state = {"model": model, "optim": self.optimizer.state_dict()}
             torch.save(state, folder / STATE_FILE)
         return {}  # every rank reads the file whole: blocks of BLOCK bytes serve it
 
@@ -63,13 +67,14 @@ class ConsolidatedState:
         # One consolidated file: every rank reads it whole and keeps its own partition.
         with files.open(f"{folder}/{STATE_FILE}") as f:
             state = torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
-        self.module.load_state_dict(state["model"])
+        self.module.load_state_dict(state["model"], strict=not self.frozen)
         self.optimizer.load_state_dict(state["optim"])
 
 
-def read_model(folder: Path) -> dict[str, torch.Tensor]:
-    """The model's state_dict from a :class:`ConsolidatedState` folder."""
-    return dict(torch.load(folder / STATE_FILE, weights_only=True, map_location="cpu")["model"])
+def read_model(files: Any) -> LazyModel:
+    """The model's tensors in a :class:`ConsolidatedState` checkpoint, read without the
+    optimizer state saved beside them."""
+    return saved_model(files, f"engine/{STATE_FILE}", "model")
 
 
 def build_fairscale(

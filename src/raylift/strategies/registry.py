@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,8 +29,9 @@ Builder = Callable[
 Creator = Callable[
     [Config, Precision, torch.device], contextlib.AbstractContextManager[Kept | None]
 ]
-# a checkpoint's engine/ folder -> the plain model's state_dict
-ExportReader = Callable[[Path], dict[str, torch.Tensor]]
+# a checkpoint (raylift.checkpoint.CheckpointReader) -> the plain model's tensors, read
+# one at a time (raylift.streaming.ModelTensors)
+ExportReader = Callable[[Any], Any]
 
 # StrategyConfig keys every strategy reads.
 COMMON_OPTIONS = ("activation_checkpointing",)

@@ -323,6 +323,8 @@ def _loop_state(directory: str, data: Any) -> dict[str, Any]:
     except CheckpointError:
         raise
     except Exception as exc:
+        if getattr(data, "failed", None) is not None:  # a damaged block, read through C++
+            raise data.failed from exc
         raise CheckpointError(
             f"checkpoint {directory} is corrupt ({LOOP_FILE}: {exc}); delete that folder to "
             "resume from the previous checkpoint, or start a new run under another name"
@@ -398,7 +400,12 @@ class CheckpointReader:
     def load(self, name: str) -> Any:
         """``torch.load`` of one file (tensors only, to the CPU)."""
         with self.open(name) as f:
-            return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+            try:
+                return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+            except Exception as exc:
+                if f.failed is not None:  # a damaged block, read through torch's C++ reader
+                    raise f.failed from exc
+                raise
 
     def loop_state(self) -> dict[str, Any]:
         with self.open(LOOP_FILE) as f:

@@ -67,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--out", required=True, help="where to write it, e.g. model.safetensors")
     exp.add_argument(
         "--format",
-        choices=("pt", "safetensors", "hf"),
-        help="torch.save state_dict, safetensors (what model.weights reads), or hf (a "
-        "from_pretrained folder, for a task whose model is a Hugging Face model); default: "
-        "from the --out suffix",
+        choices=("pt", "safetensors", "hf", "peft"),
+        help="torch.save state_dict, safetensors (what model.weights reads), hf (a "
+        "from_pretrained folder, for a task whose model is a Hugging Face model; a run with "
+        "adapters: the base with them merged), or peft (a run's adapters, as "
+        "PeftModel.from_pretrained loads them); default: from the --out suffix",
     )
     exp.add_argument(
         "--config",
@@ -105,7 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         with console.library_quiet():
-            if args.format == "hf":
+            if args.format in ("hf", "peft"):
                 ckpt, n = _export_hf(args)
             else:
                 ckpt, n = export(args.path, Path(args.out), args.format)
@@ -127,12 +128,24 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     require_checkpoint(args.path)  # a folder with no checkpoint: said first
     if not args.config and run_config_text(args.path) is None:
         raise CheckpointError(
-            f"--format hf: {args.path} holds no {RUN_CONFIG} (runs record the config they "
-            "ran with); pass the run's config with --config CONFIG"
+            f"--format {args.format}: {args.path} holds no {RUN_CONFIG} (runs record the "
+            "config they ran with); pass the run's config with --config CONFIG"
         )
     cfg = load_config(args.config or args.path, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
-    return export_hf(args.path, Path(args.out), task, args.max_shard_size)
+    out = Path(args.out)
+    if cfg.model.adapter.type:
+        from raylift.adapter_export import export_merged, export_peft
+
+        if args.format == "peft":
+            return export_peft(args.path, out, cfg, task)
+        return export_merged(args.path, out, cfg, task, args.max_shard_size)
+    if args.format == "peft":
+        raise CheckpointError(
+            "--format peft: the run trained every parameter (model.adapter.type: null); "
+            "export it with --format hf or safetensors"
+        )
+    return export_hf(args.path, out, task, args.max_shard_size)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

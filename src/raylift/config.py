@@ -283,12 +283,54 @@ def file_store_allowed() -> bool:
     return os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() in ("true", "1")
 
 
+ADAPTERS = ("lora",)
+
+
+@dataclasses.dataclass
+class AdapterConfig:
+    # lora: the base model frozen, low-rank matrices beside its linear layers trained
+    # (PEFT's LoRA); null: every parameter trains
+    type: str | None = None
+    r: int = 8  # the rank of each adapter's two matrices
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input
+    # all-linear: every nn.Linear but the output head; or a list of module names (a name
+    # matches a module whose full name is it or ends in .name)
+    target_modules: str | list[str] = "all-linear"
+    # modules trained whole beside the adapters (the embeddings, say), by name as above
+    modules_to_save: list[str] = dataclasses.field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        if self.type is not None and self.type not in ADAPTERS:
+            out.append(
+                f"model.adapter.type: {self.type!r} is not one of {ADAPTERS}; null trains "
+                "every parameter"
+            )
+        if self.r < 1:
+            out.append(f"model.adapter.r: must be a rank >= 1, got {self.r}")
+        if self.alpha <= 0:
+            out.append(f"model.adapter.alpha: must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            out.append(f"model.adapter.dropout: must be in [0, 1), got {self.dropout}")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            out.append(
+                f"model.adapter.target_modules: {self.target_modules!r}: write all-linear "
+                "or a list of module names, e.g. [q_proj, v_proj]"
+            )
+        if isinstance(self.target_modules, list) and not self.target_modules:
+            out.append("model.adapter.target_modules: empty; name modules or write all-linear")
+        return out
+
+
 @dataclasses.dataclass
 class ModelConfig:
     # Pretrained weights: a .safetensors file, or a folder with model.safetensors or a
     # sharded Hugging Face checkpoint (model.safetensors.index.json), local or a folder's
     # URI; or an MLflow model: models:/NAME/VERSION, runs:/RUN_ID/model.
     weights: str | None = None
+    # adapters trained on the frozen model (LoRA), rather than every parameter
+    adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)
 
     def problems(self) -> list[str]:
         return [] if self.weights != "" else ["model.weights: a path, or null for none"]

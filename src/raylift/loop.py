@@ -19,11 +19,12 @@ from typing import Any, cast
 
 import torch
 
+from raylift.adapters import attach, base_of, describe, init_adapters, is_adapter
 from raylift.checkpoint import Checkpointer, LoopState
 from raylift.config import Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
-from raylift.init import InitReport, initialize, kept_by_name
+from raylift.init import InitReport, initialize, kept_by_name, whole
 from raylift.metrics import (
     PhaseClock,
     StepTimes,
@@ -97,9 +98,12 @@ def initial_weights(
     kept: dict[str, torch.Tensor],
     write: Any,
 ) -> InitReport:
-    """The seeded initial-weights pass, then ``model.weights`` over it where given."""
+    """The seeded initial-weights pass, the adapters' own draw over it where the model
+    has adapters, then ``model.weights`` over it where given (the base's tensors)."""
     report = initialize(model, task, seed, write, sharded=sharded, kept=kept)
     kept.clear()  # the constructor values are in the parameters now: free the host copies
+    if any(is_adapter(n) for n, _ in model.named_parameters()):
+        report.adapters = init_adapters(model, seed + 1, write, whole, {})
     if weights:
         from raylift.weights import load
 
@@ -141,7 +145,8 @@ class Trainer:
         self.accum = accum
         self.clock = PhaseClock(ctx.device, ctx.now)
         self.engine, fps = self._build_engine()
-        self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name)
+        self.base = base_of(cfg, weights_path(cfg, task))
+        self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name, self.base)
         self.saver = Saver(self.engine, ctx, cfg.checkpoint.async_)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
         peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
@@ -172,6 +177,9 @@ class Trainer:
         seed_everything(cfg.train.seed)
         with spec.create(cfg, self.precision, device) as kept:  # no storage where it shards
             model = self.task.build_model()
+            if cfg.model.adapter.type:  # before any wrapping: the strategy sees it frozen
+                model = attach(model, cfg.model.adapter)
+                self.ctx.log(describe(model, cfg.model.adapter))
         fps = flops_per_sample(self.task, model)
         whole = cfg.train.compile and spec.compile_whole
         if cfg.train.compile and not whole:
@@ -226,6 +234,7 @@ class Trainer:
             "loop": dataclasses.asdict(self.state),
             "scheduler": self.scheduler.state_dict(),
             "strategy": self.cfg.strategy.name,
+            "base": self.base,  # what the adapters train on; None without adapters
             "world_size": self.ctx.world_size,
             "global_batch": self.global_batch,
             # Reports after a restart carry the last evaluation, as Tune's schedulers expect.

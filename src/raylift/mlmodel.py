@@ -33,6 +33,7 @@ from raylift.checkpoint import (
 )
 from raylift.config import MLFLOW_MODEL_URIS, RUN_CONFIG, Config
 from raylift.errors import first_line
+from raylift.weights import weights_path
 
 MODEL_NAME = "model"  # the logged model's name: runs:/RUN_ID/model resolves it
 NOTE = "raylift-model.json"  # what the folder holds and where it came from
@@ -96,7 +97,12 @@ def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:
 
     task = build_task(cfg.task, cfg.task_args)
     fmt = "hf" if hf_config_or_none(task) is not None else "safetensors"
-    if fmt == "hf":
+    if cfg.model.adapter.type:  # the adapters alone (small), naming their base
+        from raylift.adapter_export import export_peft
+
+        fmt = "peft"
+        export_peft(ckpt, out, cfg, task)
+    elif fmt == "hf":
         export_hf(ckpt, out, task)
     else:
         export(ckpt, out / "model.safetensors", "safetensors")
@@ -107,6 +113,7 @@ def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:
         "task": cfg.task,
         "task_args": redact(cfg.task_args),
         "format": fmt,
+        "base": weights_path(cfg, task) if fmt == "peft" else None,
         "checkpoint": ckpt,
         "step": checkpoint_step(ckpt),
         "metrics": read_loop_state(ckpt).get("metrics", {}),

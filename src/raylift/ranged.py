@@ -122,6 +122,7 @@ class VerifiedFile(io.RawIOBase):
         self._release = release
         self._pos = 0
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self.failed: CheckpointError | None = None  # the mismatch a read raised
 
     def close(self) -> None:
         if not self.closed:
@@ -189,10 +190,12 @@ class VerifiedFile(io.RawIOBase):
             a, b = listed.starts[i], listed.end(i)
             block = data[a - offset : b - offset]
             if listed.blocks and xxhash.xxh3_64(block).hexdigest() != listed.blocks[i]:
-                raise CheckpointError(
+                # Kept: a reader in C++ (torch.load's) may raise its own error instead.
+                self.failed = CheckpointError(
                     f"checkpoint {self.where} is corrupt: {listed.name} bytes {a}-{b} do "
                     f"not match the checksum rank {listed.writer} recorded when it wrote them"
                 )
+                raise self.failed
             out[i] = block
         return out
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from raylift import storage
+from raylift.adapters import base_name, is_adapter
 from raylift.data.sources import SourceError
 from raylift.init import Writer
 
@@ -82,6 +83,21 @@ def header(path: str) -> dict[str, tuple[int, ...]]:
         raise WeightsError(f"model.weights: cannot read {path}: {exc}") from exc
 
 
+def fingerprint(path: str) -> str:
+    """xxh3-64 of the safetensors headers of the weights at ``path`` (every tensor's name,
+    dtype, shape and place): what says a checkpoint's adapters were trained on these
+    weights, in two ranged reads a file."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for file in sorted(set(weight_files(path).values())):
+        fs, where = storage.filesystem(file)
+        with fs.open_input_file(where) as f:
+            size = int.from_bytes(f.read_at(8, 0), "little")
+            digest.update(f.read_at(min(size, MAX_HEADER), 8))
+    return digest.hexdigest()
+
+
 def file_shapes(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, file), reading each file's header once."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -103,17 +119,26 @@ def expected(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, li
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, list[str]] = {}
     first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in base_tensors(model, model.named_parameters(remove_duplicate=False)):
         if id(p) in first:
             aliases[first[id(p)]].append(name)
             continue
         first[id(p)] = name
         aliases[name] = []
         shapes[name] = tuple(getattr(p, "ds_shape", p.shape))
-    for name, b in model.state_dict(keep_vars=True).items():
+    for name, b in base_tensors(model, model.state_dict(keep_vars=True).items()):
         if name not in shapes and not any(name in a for a in aliases.values()):
             shapes[name] = tuple(b.shape)
     return shapes, aliases
+
+
+def base_tensors(model: nn.Module, named: Any) -> Iterator[tuple[str, Any]]:
+    """``named`` (name, tensor) pairs of a model as its weights' files name them: with
+    adapters attached, the base's tensors under the base's names, the adapters' left out
+    (they start as raylift draws them, not from the files)."""
+    for name, tensor in named:
+        if not is_adapter(name):
+            yield base_name(name), tensor
 
 
 def check(model: nn.Module, path: str) -> dict[str, str]:
@@ -194,8 +219,8 @@ def load(model: nn.Module, path: str, write: Writer) -> None:
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
         plan: dict[str, str] = shared[0]
-        params = dict(model.named_parameters())
-        buffers = dict(model.named_buffers())
+        params = dict(base_tensors(model, model.named_parameters()))
+        buffers = dict(base_tensors(model, model.named_buffers()))
         opened: dict[str, Any] = {}
         for name, where in plan.items():
             file, key = where.split("::", 1)

@@ -93,11 +93,22 @@ class DCPState:
         frozen = any(not p.requires_grad for p in model.parameters())
         self.options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
-    def save(self, folder: Path) -> dict[str, list[int]]:
-        import torch.distributed.checkpoint as dcp
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model's and the optimizer's state, the frozen base left out (under every
+        name: a tied head is a frozen weight's second name, which the options miss)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        frozen = {_local(p).data_ptr() for p in self.model.parameters() if not p.requires_grad}
+        frozen.discard(0)  # an empty shard is no storage to match
+        if frozen:
+            model_sd = {k: v for k, v in model_sd.items() if _local(v).data_ptr() not in frozen}
+        return model_sd, optim_sd
+
+    def save(self, folder: Path) -> dict[str, list[int]]:
+        import torch.distributed.checkpoint as dcp
+
+        model_sd, optim_sd = self._state()
         metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
         # Every rank gets where every item went; each lists the files it wrote itself.
         starts: dict[str, list[int]] = {}
@@ -108,9 +119,9 @@ class DCPState:
 
     def load(self, files: Files, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        model_sd, optim_sd = self._state()
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         # DCP's planner picks the ranges this rank's shards need; only those are read.
         try:
@@ -124,6 +135,11 @@ class DCPState:
             optim_state_dict=state["optim"],
             options=self.options,
         )
+
+
+def _local(t: Any) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def first_failure(exc: Any) -> Exception:
@@ -231,11 +247,13 @@ class TorchEngine:
         # A sharded optimizer (fairscale OSS) keeps its partition's state in the inner optimizer.
         inner = getattr(self.optimizer, "optim", self.optimizer)
         states = inner.state.values()
-        return {
-            "params": tensor_bytes(self.module.parameters()),
+        params = list(self.module.parameters())
+        held = {
+            "params": tensor_bytes(p for p in params if p.requires_grad),
             "grads": self._grad_bytes,
             "optimizer": tensor_bytes(v for st in states for v in st.values()),
         }
+        return with_frozen(held, tensor_bytes(p for p in params if not p.requires_grad))
 
     def save(self, directory: Path) -> dict[str, list[int]]:
         return self._state_io.save(directory / "engine")
@@ -262,6 +280,12 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def with_frozen(held: dict[str, int], frozen: int) -> dict[str, int]:
+    """``held`` with the frozen weights (a base under adapters) as their own entry, where
+    there are any: they hold no gradient and no optimizer state."""
+    return {**held, "frozen": frozen} if frozen else held
 
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from raylift.adapters import keep_trainable_fp32
 from raylift.config import Config
 from raylift.init import Initializer, write_in_place
 from raylift.optim import build_optimizer
@@ -32,7 +33,7 @@ def build_ddp(
     init(write_in_place)
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
-    model = model.to(device=device, dtype=precision.param_dtype)
+    model = keep_trainable_fp32(model.to(device=device, dtype=precision.param_dtype))
     optimizer = build_optimizer(model, cfg.optim)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         # One device: nothing to all-reduce, so no wrapper copying grads into buckets

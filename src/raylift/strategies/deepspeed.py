@@ -34,7 +34,7 @@ from raylift.lazytorch import LazyTensor, concat_range, load_lazy
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
-from raylift.strategies.base import apply_activation_checkpointing
+from raylift.strategies.base import apply_activation_checkpointing, with_frozen
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 from raylift.streaming import LazyModel, Spec, saved_model
 
@@ -327,6 +327,23 @@ def use_the_run_process_group() -> None:
 # ---------------------------------------------------------------- engine
 
 
+def leave_out_tied_frozen(ds_engine: Any) -> None:
+    """Make ``save_checkpoint(exclude_frozen_parameters=True)`` leave a frozen weight out
+    under every name: DeepSpeed drops the names ``named_parameters`` gives, which lists a
+    tied weight once, so a tied head of a frozen base (adapters) would be saved whole."""
+    saved = ds_engine.module_state_dict
+
+    def module_state_dict(*args: Any, exclude_frozen_parameters: bool = False, **kw: Any) -> Any:
+        sd = saved(*args, exclude_frozen_parameters=exclude_frozen_parameters, **kw)
+        if exclude_frozen_parameters:
+            for name, p in ds_engine.module.named_parameters(remove_duplicate=False):
+                if not p.requires_grad:
+                    sd.pop(name, None)
+        return sd
+
+    ds_engine.module_state_dict = module_state_dict
+
+
 class DeepSpeedEngine:
     """The loop's :class:`~raylift.strategies.base.Engine` over a DeepSpeed engine."""
 
@@ -338,6 +355,7 @@ class DeepSpeedEngine:
         grad_clip: float | None,
     ):
         self.ds = ds_engine
+        leave_out_tied_frozen(ds_engine)
         self.model: nn.Module = ds_engine  # its forward gathers ZeRO-3 params and autocasts
         # raylift's torch optimizer, the one DeepSpeed steps: the loop's LambdaLR writes the
         # lr into the param_groups DeepSpeed reads (DeepSpeed's ZeRO wrapper is no
@@ -410,16 +428,19 @@ class DeepSpeedEngine:
         master partition, which ZeRO counts as optimizer state and shards with it (from
         stage 1 DeepSpeed keeps one even when training in fp32).
         """
-        weights: list[Any] = []
+        weights: dict[bool, list[Any]] = {True: [], False: []}
         for p in self._module_params():
-            weights.append(getattr(p, "ds_tensor", None))
-            weights.append(p.data)  # empty at stage 3 unless DeepSpeed keeps it gathered
+            weights[p.requires_grad].append(getattr(p, "ds_tensor", None))
+            # Empty at stage 3 unless DeepSpeed keeps it gathered.
+            weights[p.requires_grad].append(p.data)
         seen: set[int] = set()
-        params = storage_bytes(_tensors_in(weights), seen)
+        params = storage_bytes(_tensors_in(weights[True]), seen)
+        frozen = storage_bytes(_tensors_in(weights[False]), seen)
         states = [v for st in self.optimizer.state.values() for v in st.values()]
         # `seen`: a master partition that is the module's own storage is not a second copy.
         optimizer = storage_bytes(_tensors_in([states, self._master_partitions()]), seen)
-        return {"params": params, "grads": self._grad_bytes, "optimizer": optimizer}
+        held = {"params": params, "grads": self._grad_bytes, "optimizer": optimizer}
+        return with_frozen(held, frozen)
 
     # ------------------------------------------------------------ checkpoints
 

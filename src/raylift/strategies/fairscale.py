@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raylift.adapters import keep_trainable_fp32
 from raylift.config import Config
 from raylift.init import Initializer, write_in_place
 from raylift.optim import implementation, optimizer_class_and_kwargs, param_groups
@@ -66,7 +67,13 @@ class ConsolidatedState:
     def load(self, files: Files, folder: str) -> None:
         # One consolidated file: every rank reads it whole and keeps its own partition.
         with files.open(f"{folder}/{STATE_FILE}") as f:
-            state = torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+            try:
+                state = torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+            except Exception as exc:  # torch's C++ reader hides a damaged block's error
+                failed = getattr(f, "failed", None)
+                if failed is not None:
+                    raise failed from exc
+                raise
         self.module.load_state_dict(state["model"], strict=not self.frozen)
         self.optimizer.load_state_dict(state["optim"])
 
@@ -90,7 +97,7 @@ def build_fairscale(
     init(write_in_place)
     if cfg.strategy.activation_checkpointing:
         apply_activation_checkpointing(blocks)
-    model = model.to(device=device, dtype=precision.param_dtype)
+    model = keep_trainable_fp32(model.to(device=device, dtype=precision.param_dtype))
     optimizer = build_oss(model, cfg)
     sharded = ShardedDataParallel(model, optimizer)
     return TorchEngine(

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from raylift.adapters import keep_trainable_fp32
 from raylift.config import Config
 from raylift.init import Initializer, materialize, params_on_meta, write_dtensor
 from raylift.optim import build_optimizer
@@ -85,7 +86,7 @@ def build_fsdp(
 
     s = cfg.strategy
     # Created on the meta device (``create`` below): the dtype is set before storage exists.
-    model = model.to(dtype=precision.param_dtype)
+    model = keep_trainable_fp32(model.to(dtype=precision.param_dtype))
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if s.activation_checkpointing:
         apply_activation_checkpointing(blocks)

@@ -77,15 +77,12 @@ def export_peft(path: str, out: Path, cfg: Any, task: Any) -> tuple[str, int]:
     return ckpt, n
 
 
-def export_merged(
-    path: str, out: Path, cfg: Any, task: Any, max_shard_size: str | int
-) -> tuple[str, int]:
-    """A ``from_pretrained`` folder of the base with the run's adapters merged in, in the
-    base's dtypes, with the base's config and the task's tokenizer."""
+def merged_model(path: str, cfg: Any, task: Any, fmt: str) -> tuple[str, Merged]:
+    """The checkpoint used and the base with its adapters merged in, read when written."""
     base = weights_path(cfg, task)
     if base is None:
         raise CheckpointError(
-            "--format hf: the run's base was drawn from its seed, not read from weights; "
+            f"--format {fmt}: the run's base was drawn from its seed, not read from weights; "
             "export the adapters with --format peft"
         )
     trained: dict[str, torch.Tensor] = {}
@@ -96,9 +93,30 @@ def export_merged(
 
     ckpt, _ = each_tensor(path, keep)
     wanted = cfg.model.adapter
-    merged = Merged(base, trained, wanted.alpha / wanted.r)
+    return ckpt, Merged(base, trained, wanted.alpha / wanted.r)
+
+
+def export_merged_file(path: str, out: Path, cfg: Any, task: Any, fmt: str) -> tuple[str, int]:
+    """The merged model as one safetensors file (what ``model.weights`` reads), streamed,
+    or as a ``torch.save`` state_dict (``pt``, built whole in memory)."""
+    ckpt, merged = merged_model(path, cfg, task, fmt)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "pt":
+        torch.save({spec.name: tensor for spec, tensor in merged.tensors()}, out)
+    else:
+        write_safetensors(out, merged.specs, merged.tensors())
+    return ckpt, len(merged.specs)
+
+
+def export_merged(
+    path: str, out: Path, cfg: Any, task: Any, max_shard_size: str | int
+) -> tuple[str, int]:
+    """A ``from_pretrained`` folder of the base with the run's adapters merged in, in the
+    base's dtypes, with the base's config and the task's tokenizer."""
+    hf_config = hf_config_of(task)
+    ckpt, merged = merged_model(path, cfg, task, "hf")
     out.mkdir(parents=True, exist_ok=True)
-    hf_config_of(task).save_pretrained(out)
+    hf_config.save_pretrained(out)
     tokenizer = getattr(task, "tokenizer", None)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -106,7 +106,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     try:
         with console.library_quiet():
-            if args.format in ("hf", "peft"):
+            if args.format in ("hf", "peft") or _adapted(args):
                 ckpt, n = _export_hf(args)
             else:
                 ckpt, n = export(args.path, Path(args.out), args.format)
@@ -115,6 +115,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print(f"raylift: wrote {n} tensors (fp32) from {ckpt} to {args.out}")
     return EXIT_OK
+
+
+def _adapted(args: argparse.Namespace) -> bool:
+    """Whether the run trained adapters (its recorded config, or ``--config``, says)."""
+    from raylift.config import run_config_text
+
+    if not args.config and run_config_text(args.path) is None:
+        return False
+    try:
+        return bool(load_config(args.config or args.path, args.overrides).model.adapter.type)
+    except ConfigError:  # said when a format needs the config; the weights need none
+        return False
 
 
 def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
@@ -135,11 +147,14 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     task = build_task(cfg.task, cfg.task_args)
     out = Path(args.out)
     if cfg.model.adapter.type:
-        from raylift.adapter_export import export_merged, export_peft
+        from raylift.adapter_export import export_merged, export_merged_file, export_peft
 
         if args.format == "peft":
             return export_peft(args.path, out, cfg, task)
-        return export_merged(args.path, out, cfg, task, args.max_shard_size)
+        if args.format == "hf":
+            return export_merged(args.path, out, cfg, task, args.max_shard_size)
+        fmt = args.format or ("safetensors" if out.suffix == ".safetensors" else "pt")
+        return export_merged_file(args.path, out, cfg, task, fmt)
     if args.format == "peft":
         raise CheckpointError(
             "--format peft: the run trained every parameter (model.adapter.type: null); "

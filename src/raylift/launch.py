@@ -31,6 +31,7 @@ from raylift.probe import ProbeSettings
 from raylift.startup import Startup
 from raylift.storage import StorageError
 from raylift.tasks import BUILTINS
+from raylift.weights import absolute as weights_absolute
 from raylift.worker import SPEC_KEY, RunSpec, worker_main
 
 # Environment every Ray process of a raylift run gets.
@@ -401,8 +402,9 @@ def _train(
     if service is None and (problem := tracking.server_problem(uri)):
         raise EnvironmentProblem(problem)
     manifest, cache = prepare_data(cfg, log, startup)
-    # Workers run in folders of their own: they get the storage this driver resolved.
-    cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where)
+    # Workers run in folders of their own: they get the paths this driver resolved.
+    model = dataclasses.replace(cfg.model, weights=weights_absolute(cfg.model.weights))
+    cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where, model=model)
     startup.mark("auto")
     problems = before_workers(cfg)  # a cluster of several nodes: storage and tracking
     if problems:

@@ -329,6 +329,10 @@ def _trial_base(cfg: Config, spec: SweepSpec, storage: str) -> dict[str, Any]:
     }
     if cfg.data.shards:
         fixed["data"] = {"shards": resolve(cfg.data.shards)}
+    if cfg.model.weights:
+        from raylift.weights import absolute
+
+        fixed["model"] = {"weights": absolute(cfg.model.weights)}
     return merge(cfg.to_dict(), fixed)
 
 

@@ -171,6 +171,16 @@ def check(model: nn.Module, path: str) -> dict[str, str]:
     return {name: f"{found[have][1]}::{have}" for name, have in source.items()}
 
 
+def absolute(weights: str | None) -> str | None:
+    """``model.weights`` as workers in other folders find it: a local path made absolute
+    against this process's folder; a URI or an MLflow model as it is."""
+    from raylift.mlmodel import is_mlflow_uri
+
+    if not weights or is_mlflow_uri(weights):
+        return weights
+    return storage.resolve(weights)
+
+
 def weights_path(cfg: Any, task: Any) -> str | None:
     """``model.weights``, else the task's own pretrained weights (a Hugging Face folder's)."""
     return cfg.model.weights or getattr(task, "pretrained_weights", None)

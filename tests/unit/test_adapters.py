@@ -304,6 +304,13 @@ def test_the_peft_folder_and_the_merged_model_give_the_same_logits(
     run = lora_curves[name]["dir"]
     export_cli(cfg, run, "peft", tmp_path / "peft")
     export_cli(cfg, run, "hf", tmp_path / "merged")
+    export_cli(cfg, run, "safetensors", tmp_path / "merged.safetensors")
+    from safetensors.torch import load_file
+
+    one_file = load_file(tmp_path / "merged.safetensors")
+    folder = load_file(tmp_path / "merged" / "model.safetensors")
+    assert one_file.keys() == folder.keys()
+    assert all(torch.equal(one_file[k], folder[k]) for k in folder)
     assert (tmp_path / "peft" / "adapter_config.json").is_file()
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
 

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import importlib.util
 import os
 import types
 import typing
@@ -306,6 +307,11 @@ class AdapterConfig:
             out.append(
                 f"model.adapter.type: {self.type!r} is not one of {ADAPTERS}; null trains "
                 "every parameter"
+            )
+        elif self.type and importlib.util.find_spec("peft") is None:
+            out.append(
+                f"model.adapter.type: {self.type} is built on PEFT, which is not installed "
+                "here: pip install 'raylift[hf]'"
             )
         if self.r < 1:
             out.append(f"model.adapter.r: must be a rank >= 1, got {self.r}")

@@ -53,6 +53,7 @@ class Plan:
     checkpointing: bool
     micro_batch: int
     grad_accum: int
+    frozen: tuple[int, int] = (0, 0)  # (trainable, frozen) parameters where some are frozen
 
 
 def planned_precision(cfg: Config) -> Precision:
@@ -70,14 +71,23 @@ def optimizer_slots(cfg: Config) -> int:
     return 2
 
 
-def model_states(label: str, n_params: int, cfg: Config, world: int) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes one rank holds on the device."""
+def model_states(
+    label: str, n_params: int, cfg: Config, world: int, trainable: int | None = None
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds on the device. ``trainable``: the
+    parameters that train (adapters on a frozen base); the rest hold no gradient and no
+    optimizer state."""
     row = plan_row(label)
+    trainable = n_params if trainable is None else trainable
+    frozen = n_params - trainable
     width = planned_precision(cfg).param_dtype.itemsize
-    optimizer = n_params * width * optimizer_slots(cfg)
+    # Adapters stay fp32 beside a cast base (adapters.keep_trainable_fp32); DeepSpeed
+    # casts them with the base and keeps its fp32 master instead.
+    own = 4 if frozen and not row.fp32_master else width
+    optimizer = trainable * own * optimizer_slots(cfg)
     if row.fp32_master and width != 4:  # fp32 weights are their own master (deepspeed.py)
-        optimizer += n_params * 4
-    full = (n_params * width, n_params * width, optimizer)
+        optimizer += trainable * 4
+    full = (trainable * own + frozen * width, trainable * own, optimizer)
     held = [b // world if sharded else b for b, sharded in zip(full, row.shards, strict=True)]
     if row.offload:
         held[0], held[2] = 0, 0
@@ -148,11 +158,20 @@ def largest_block(cfg: Config) -> int:
 
 
 def count_params(cfg: Config) -> int:
+    return sum(count_trainable(cfg))
+
+
+def count_trainable(cfg: Config) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the run's model, adapters attached where the
+    config asks for them; tied weights once."""
+    from raylift.adapters import attach, trainable_numel
     from raylift.tasks import build_task
 
     with torch.device("meta"):  # no memory: a 70B model counts as fast as a small one
         model = build_task(cfg.task, cfg.task_args).build_model()
-    return sum(p.numel() for p in model.parameters())  # tied weights once
+        if cfg.model.adapter.type:
+            model = attach(model, cfg.model.adapter)
+    return trainable_numel(model)
 
 
 def refusals(cfg: Config, row: PlanRow) -> list[str]:
@@ -161,7 +180,8 @@ def refusals(cfg: Config, row: PlanRow) -> list[str]:
 
 
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
-    n_params, batch = count_params(cfg), cfg.data.batch_size
+    trainable, frozen = count_trainable(cfg)
+    n_params, batch = trainable + frozen, cfg.data.batch_size
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
     block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
@@ -169,7 +189,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
         Row(
             row.label,
             dict(row.strategy),
-            *model_states(row.label, n_params, cfg, gpus),
+            *model_states(row.label, n_params, cfg, gpus, trainable),
             per_sample * batch,
             per_sample_ckpt * batch,
             refusals(cfg, row),
@@ -178,19 +198,20 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
         for row in plan_rows()
     ]
     budget = int(gpu_mem_gib * GIB * USABLE)
+    counts = (trainable, frozen) if frozen else (0, 0)
     usable = [r for r in rows if not r.refused]
     for row in usable:
         for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
             if row.fixed + act * batch <= budget:
-                return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum)
+                return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum, counts)
     # Nothing fits at the configured micro-batch: the largest that fits, same global batch.
     for row in usable:
         room = budget - row.fixed
         if room >= per_sample_ckpt > 0:
             micro = min(batch, room // per_sample_ckpt)
             accum = cfg.train.grad_accum * -(-batch // micro)
-            return Plan(rows, budget, row, True, int(micro), accum)
-    return Plan(rows, budget, None, True, 0, 0)
+            return Plan(rows, budget, row, True, int(micro), accum, counts)
+    return Plan(rows, budget, None, True, 0, 0, counts)
 
 
 def resolve_auto(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
@@ -232,6 +253,12 @@ def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
             f"{mib(total)}  {fits}"
         )
     lines += [f"{r.label} refused: {problem}" for r in plan.rows for problem in r.refused]
+    trainable, frozen = plan.frozen
+    if frozen:
+        lines.append(
+            f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen (in params; "
+            "no grads or optimizer state for them)"
+        )
     if plan.choice is None:
         lines.append("choice: nothing fits; add workers or use larger devices")
     else:

@@ -38,6 +38,23 @@ def test_zero_accounting_at_world_size_4() -> None:
     assert model_states("zero1", n, bf16, 4) == (2000, 2000, 1000)
 
 
+def test_adapters_hold_gradients_and_optimizer_state_for_what_trains_only() -> None:
+    """1000 parameters of which 100 train (adapters): the frozen 900 are weights alone;
+    under bf16-true the base is bf16 and the adapters fp32 (DeepSpeed: bf16 with its fp32
+    master)."""
+    cfg = load_config(GPT, ["precision=32", "model.adapter.type=lora"])
+    assert model_states("ddp", 1000, cfg, 4, trainable=100) == (4000, 400, 800)
+    assert model_states("fsdp", 1000, cfg, 4, trainable=100) == (1000, 100, 200)
+    bf16 = load_config(GPT, ["precision=bf16-true", "model.adapter.type=lora"])
+    assert model_states("fsdp", 1000, bf16, 4, trainable=100) == (2200 // 4, 100, 200)
+    assert model_states("zero3", 1000, bf16, 4, trainable=100) == (500, 50, 200)
+    plan = make_plan(load_config(GPT, ["model.adapter.type=lora"]), 2, 80)
+    trainable, frozen = plan.frozen
+    assert 0 < trainable < frozen == count_params(load_config(GPT))  # the base, whole
+    ddp = next(r for r in plan.rows if r.label == "ddp")
+    assert ddp.optimizer == 2 * 4 * trainable  # Adam's two moments, fp32, adapters only
+
+
 def test_activation_checkpointing_saves_less() -> None:
     cfg = load_config(GPT)
     plain, ckpt = activations_per_sample(cfg, False), activations_per_sample(cfg, True)

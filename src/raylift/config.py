@@ -30,10 +30,16 @@ SCHEDULES = ("cosine", "constant")
 class ConfigError(ValueError):
     """A config with one or more problems; ``problems`` lists each as 'key: what is wrong'."""
 
-    def __init__(self, problems: Sequence[str]):
+    def __init__(self, problems: Sequence[str] | str):
+        if isinstance(problems, str):  # rebuilt from its message (Ray re-raising it)
+            listed = [ln[4:] for ln in problems.splitlines() if ln.startswith("  - ")]
+            problems = listed or [problems]
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} problem(s) in the config:\n{lines}")
+
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        return type(self), (self.problems,)
 
 
 class EnvironmentProblem(ValueError):

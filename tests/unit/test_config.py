@@ -151,3 +151,13 @@ def test_a_file_store_is_taken_where_mlflow_is_told_to_allow_it(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     cfg = load_config(QUICKSTART, ["tracking.uri=file:///tmp/mlruns"])
     assert cfg.tracking.uri == "file:///tmp/mlruns"
+
+
+def test_a_config_error_keeps_its_problems_when_rebuilt_as_ray_rebuilds_it() -> None:
+    """A worker's ConfigError reaches the driver pickled, or rebuilt from its message:
+    either way it still names its problems, not the characters of its text."""
+    import pickle
+
+    error = ConfigError(["model.weights: trained on another base; point the run at it"])
+    for again in (pickle.loads(pickle.dumps(error)), type(error)(*error.args)):
+        assert again.problems == error.problems and str(again) == str(error)

@@ -12,7 +12,6 @@ never in memory whole; the adapters, small, are.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +24,7 @@ from raylift.adapters import ADAPTER_NAME, is_adapter, targets
 from raylift.checkpoint import CheckpointError
 from raylift.export import each_tensor, hf_config_of, shard_bytes
 from raylift.streaming import CODES, Spec, write_hf_shards, write_safetensors
-from raylift.weights import weight_files, weights_path
+from raylift.weights import header_entries, raw_header, weight_files, weights_path
 
 DTYPES = {code: dtype for dtype, code in CODES.items()}
 
@@ -164,14 +163,9 @@ class Merged:
 
 def _entries(file: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
     """A safetensors file's tensors from its header: dtype, shape and byte range."""
-    fs, where = storage.filesystem(file)
-    with fs.open_input_file(where) as f:
-        size = int.from_bytes(f.read_at(8, 0), "little")
-        header = json.loads(f.read_at(size, 8))
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        first, end = entry["data_offsets"]
-        out[name] = (DTYPES[entry["dtype"]], list(entry["shape"]), 8 + size + first, 8 + size + end)
-    return out
+    start = 8 + len(raw_header(file)[0])  # the data follows the header
+    return {
+        name: (DTYPES[e["dtype"]], list(e["shape"]), start + e["data_offsets"][0],
+               start + e["data_offsets"][1])
+        for name, e in header_entries(file).items()
+    }  # fmt: skip

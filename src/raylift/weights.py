@@ -60,27 +60,39 @@ def weight_files(path: str) -> dict[str, str]:
 MAX_HEADER = 100 << 20  # bytes; safetensors refuses larger headers too
 
 
-def header(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors file's header alone: its first 8 bytes
-    give the JSON header's length, then the header; two ranged reads on an object store,
-    never the tensors."""
+def raw_header(path: str) -> tuple[bytes, int]:
+    """A safetensors file's JSON header, as written, and the file's size: its first 8
+    bytes give the header's length, then the header; two ranged reads on an object
+    store, never the tensors. ValueError where the length does not fit the file."""
     fs, where = storage.filesystem(path)
+    with fs.open_input_file(where) as f:
+        size = int.from_bytes(f.read_at(8, 0), "little")
+        if not 2 <= size <= min(MAX_HEADER, f.size() - 8):
+            raise ValueError(f"its header length, {size} bytes, does not fit the file")
+        return bytes(f.read_at(size, 8)), f.size()
+
+
+def header_entries(path: str) -> dict[str, dict[str, Any]]:
+    """Tensor name -> its header entry (dtype, shape, data_offsets from the data's start,
+    which is ``8 + len(raw header)``), checked against the file's size."""
     try:
-        with fs.open_input_file(where) as f:
-            size = int.from_bytes(f.read_at(8, 0), "little")
-            if not 2 <= size <= min(MAX_HEADER, f.size() - 8):
-                raise ValueError(f"its header length, {size} bytes, does not fit the file")
-            meta = json.loads(f.read_at(size, 8))
-            tensors = {n: t for n, t in meta.items() if n != "__metadata__"}
-            need = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
-            if 8 + size + need != f.size():  # cut off, or not safetensors
-                raise ValueError(
-                    f"its tensors take {need} bytes after the header, the file holds "
-                    f"{f.size() - 8 - size}"
-                )
-        return {n: tuple(t["shape"]) for n, t in tensors.items()}
+        text, total = raw_header(path)
+        meta = json.loads(text)
+        tensors = {n: t for n, t in meta.items() if n != "__metadata__"}
+        need = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+        if 8 + len(text) + need != total:  # cut off, or not safetensors
+            raise ValueError(
+                f"its tensors take {need} bytes after the header, the file holds "
+                f"{total - 8 - len(text)}"
+            )
+        return tensors
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise WeightsError(f"model.weights: cannot read {path}: {exc}") from exc
+
+
+def header(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header alone."""
+    return {n: tuple(t["shape"]) for n, t in header_entries(path).items()}
 
 
 def fingerprint(path: str) -> str:
@@ -91,10 +103,7 @@ def fingerprint(path: str) -> str:
 
     digest = xxhash.xxh3_64()
     for file in sorted(set(weight_files(path).values())):
-        fs, where = storage.filesystem(file)
-        with fs.open_input_file(where) as f:
-            size = int.from_bytes(f.read_at(8, 0), "little")
-            digest.update(f.read_at(min(size, MAX_HEADER), 8))
+        digest.update(raw_header(file)[0])
     return digest.hexdigest()
 
 

@@ -18,7 +18,7 @@ what every rank read, counted outside raylift. For each strategy (fsdp, DeepSpee
   file's (goal <= 1.2x), and the export's peak RSS against the model's size and against
   a process that imports what the export imports.
 
-And fsdp on local storage: the stall async against sync (goal <= 0.25x).
+And each on local storage: the stall async against sync (goal <= 0.25x).
 """
 
 from __future__ import annotations
@@ -232,11 +232,13 @@ def main() -> None:
         # The shards on local disk, prepared once: the bytes counted are the checkpoint's.
         bench.command("prep", str(CONFIG), *model, f"data.shards={root / 'shards'}")
         baseline = import_rss()
-        local = stalls(bench, "fsdp", str(root / "runs"))
-        rows.append(["fsdp", "local", "-", "-", "-", "-", "-",
-                     f"{local['blocked_async']:.2f} / {local['blocked_sync']:.2f} s "
-                     f"({local['blocked_async'] / local['blocked_sync']:.2f}x)",
-                     f"{local['save_async']:.1f} / {local['save_sync']:.1f} s"])  # fmt: skip
+        for strategy in opts.only:
+            local = stalls(bench, strategy, str(root / "runs"))
+            rows.append([strategy, "local", "-", "-", "-", "-", "-",
+                         f"{local['blocked_async']:.2f} / {local['blocked_sync']:.2f} s "
+                         f"({local['blocked_async'] / local['blocked_sync']:.2f}x)",
+                         f"{local['save_async']:.1f} / {local['save_sync']:.1f} s"])  # fmt: skip
+            print(rows[-1], flush=True)
         for strategy in opts.only:
             uri = f"s3://runs/{root.name}"
             cost = stalls(bench, strategy, uri)

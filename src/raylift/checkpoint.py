@@ -45,7 +45,7 @@ from raylift.ranged import (
     block_digests,
     block_starts,
 )
-from raylift.strategies.base import Engine
+from raylift.strategies.base import Engine, Write
 
 FORMAT = 1
 LOOP_FILE = "loop_state.pt"
@@ -82,17 +82,19 @@ def _done_file(rank: int) -> str:
 
 
 def write_checkpoint(
-    directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int
-) -> dict[str, list[int]]:
-    """Collective: every rank writes its part into its own local ``directory``; where
-    each item starts in the engine's files (:func:`seal_checkpoint` checksums by them)."""
+    directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int, copy: bool = False
+) -> Write:
+    """Collective: every rank takes its part for its own local ``directory``: the RNG and
+    loop state written now (small), the engine's state too or, with ``copy``, copied to
+    host memory for the returned call to write. That call returns where each item starts
+    in the engine's files (:func:`seal_checkpoint` checksums by them)."""
     directory.mkdir(parents=True, exist_ok=True)
-    items = engine.save(directory)
+    write = engine.save(directory, copy)
     torch.save(rng_state(), directory / _rng_file(rank))
     if rank == 0:
         state = {"format": FORMAT, **loop_state, "engine_extra": engine.extra_state()}
         torch.save(state, directory / LOOP_FILE)
-    return items
+    return write
 
 
 def seal_checkpoint(directory: Path, items: dict[str, list[int]]) -> str:
@@ -397,15 +399,30 @@ class CheckpointReader:
     def _count(self, n: int) -> None:
         self.read += n
 
-    def load(self, name: str) -> Any:
-        """``torch.load`` of one file (tensors only, to the CPU)."""
+    def load(self, name: str, load: Callable[[IO[bytes]], Any] | None = None) -> Any:
+        """``load`` of one file; by default ``torch.load``, tensors only, to the CPU."""
         with self.open(name) as f:
             try:
-                return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+                if load is None:
+                    return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+                return load(cast(IO[bytes], f))
             except Exception as exc:
                 if f.failed is not None:  # a damaged block, read through torch's C++ reader
                     raise f.failed from exc
                 raise
+
+    def load_each(self, names: list[str], load: Callable[[IO[bytes]], Any]) -> dict[str, Any]:
+        """Collective: ``load`` of each of ``names``, read once and checked as read; all
+        ranks raise the first problem any rank found, before a loader's collectives."""
+        loaded: dict[str, Any] = {}
+        problem = None
+        try:
+            for name in names:
+                loaded[name] = self.load(name, load)
+        except CheckpointError as exc:
+            problem = str(exc)
+        self.agree(problem)
+        return loaded
 
     def loop_state(self) -> dict[str, Any]:
         with self.open(LOOP_FILE) as f:

@@ -21,7 +21,7 @@ import io
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 BLOCK = 1 << 20  # the most bytes one recorded checksum covers
 CACHED_BLOCKS = 4  # the blocks a file keeps after a read: a zip's header sits beside its data
@@ -102,6 +102,11 @@ class Files(Protocol):
 
     def local(self, names: list[str]) -> contextlib.AbstractContextManager[Path]:
         """A folder on this machine holding ``names`` (checked), for loaders that open paths."""
+        ...
+
+    def load_each(self, names: list[str], load: Callable[[IO[bytes]], Any]) -> dict[str, Any]:
+        """Collective: ``load`` of each of ``names``, read once and checked as read; all
+        ranks raise the first problem any rank found, before a loader's collectives."""
         ...
 
 

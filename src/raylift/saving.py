@@ -1,14 +1,15 @@
-"""Saving a checkpoint without stopping training for its upload.
+"""Saving a checkpoint without stopping training for it.
 
-A save has two parts. Every rank writes its part to a folder on local disk (the engine's
-shards, its RNG, rank 0 the loop state): the loop stops for this, as it must, since the
-state is changing under it. Then the checksums and the upload to storage: with
-``checkpoint.async`` (the default) a thread of each rank does this while the loop trains
-on. A checkpoint becomes the run's (registered with Ray Train, named by the folder
-listing as complete) only once every rank's part is in storage with its checksums: the
-ranks agree on that at the next report point, or at the next save, which waits for the one
-before it. A run killed during an upload leaves a checkpoint without every
-``complete-rank*.json``, which a resume passes over for the previous one.
+A save has two parts. Every rank takes its part (the engine's shards, its RNG, rank 0
+the loop state): the loop stops for this, as it must, since the state is changing under
+it. With ``checkpoint.async`` (the default) that is a copy into host memory, and a thread
+of each rank writes the part to a folder on local disk, checksums it and uploads it while
+the loop trains on; without, the loop waits for all of it. A checkpoint becomes the run's
+(registered with Ray Train, named by the folder listing as complete) only once every
+rank's part is in storage with its checksums: the ranks agree on that at the next report
+point, or at the next save, which waits for the one before it. A run killed during an
+upload leaves a checkpoint without every ``complete-rank*.json``, which a resume passes
+over for the previous one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from raylift import storage
 from raylift.checkpoint import CheckpointError, seal_checkpoint, write_checkpoint
 from raylift.context import WorkerContext
-from raylift.strategies.base import Engine
+from raylift.strategies.base import Engine, Write
 
 
 @dataclasses.dataclass
@@ -34,19 +35,25 @@ class Save:
     step: int
     metrics: dict[str, float]
     folder: Path  # this rank's part, on local disk until it is uploaded
-    items: dict[str, list[int]]
+    write: Write | None  # writes the part into ``folder`` (from host memory, if copied)
     dest: str
     started: float
     blocked: float = 0.0  # seconds the loop stopped for it
+    part: int = 0  # bytes of this rank's part
     written: int = 0  # bytes of all ranks' parts
     done_s: float | None = None  # seconds from start until this rank's part was in storage
     error: BaseException | None = None
     thread: threading.Thread | None = None
 
     def upload(self, rank: int) -> None:
-        """Checksum this rank's part and copy it to storage, its completion list last."""
+        """Write this rank's part, checksum it and copy it to storage, its completion
+        list last."""
         try:
-            listing = seal_checkpoint(self.folder, self.items)
+            assert self.write is not None
+            items = self.write()
+            self.write = None  # the host copy is freed once written
+            self.part = storage.bytes_under(self.folder)
+            listing = seal_checkpoint(self.folder, items)
             with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
                 storage.upload_folder(self.folder, self.dest)
                 storage.write_text(storage.join(self.dest, f"complete-rank{rank}.json"), listing)
@@ -70,26 +77,20 @@ class Saver:
         self.last_part = 0  # bytes of this rank's part of the last save
 
     def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
-        """Collective: every rank writes its part and starts its upload."""
+        """Collective: every rank takes its part and starts writing it."""
         started = time.perf_counter()
         self.settle(wait=True)  # one save in flight: this one waits for the one before
         rank = self.ctx.rank
         folder = storage.scratch_dir("ckpt")
         try:
             self._check_room(folder)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        try:
-            items = write_checkpoint(folder, self.engine, loop_state, rank)
+            write = write_checkpoint(folder, self.engine, loop_state, rank, self.background)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         name = f"checkpoint-step{step:08d}"
-        job = Save(name, step, {**metrics, "step": float(step)}, folder, items,
+        job = Save(name, step, {**metrics, "step": float(step)}, folder, write,
                    self.ctx.reporter.destination(name), started)  # fmt: skip
-        self.last_part = storage.bytes_under(folder)
-        job.written = sum(self._gather(self.last_part))
         if self.background:
             job.thread = threading.Thread(
                 target=job.upload, args=(rank,), name=f"raylift-upload-{name}", daemon=True
@@ -103,19 +104,38 @@ class Saver:
             self.settle(wait=True)
 
     def _check_room(self, folder: Path) -> None:
-        """Refuse a save whose part cannot fit on this node's local disk, before writing
+        """Collective: refuse a save whose part cannot fit, on every rank, before taking
         a byte of it: the previous checkpoints stay as they are."""
         # The last part's size once there is one; before, what this rank holds.
         held = self.engine.model_state_bytes()
         need = self.last_part or held.get("params", 0) + held.get("optimizer", 0)
+        problems = [p for p in self._gather(self._room_problem(folder, need)) if p]
+        if problems:
+            raise storage.StorageError(problems[0])
+
+    def _room_problem(self, folder: Path, need: int) -> str | None:
+        rank, size = self.ctx.rank, storage.size_text
         free = shutil.disk_usage(folder).free
         if need > free:
-            raise storage.StorageError(
-                f"a checkpoint's part on rank {self.ctx.rank} needs about "
-                f"{storage.size_text(need)} on this node's local disk ({folder.parent}) "
-                f"before its upload, and {storage.size_text(free)} is free there: free "
-                "space, or set TMPDIR to a larger disk on every node"
+            return (
+                f"a checkpoint's part on rank {rank} needs about {size(need)} on this "
+                f"node's local disk ({folder.parent}) before its upload, and {size(free)} "
+                "is free there: free space, or set TMPDIR to a larger disk on every node"
             )
+        if not self.background:
+            return None
+        import psutil
+
+        # The copy holds the part until it is written (the one before is freed by now).
+        available = psutil.virtual_memory().available
+        if need > available:
+            return (
+                f"checkpoint.async copies a checkpoint's part into host memory: rank {rank} "
+                f"needs about {size(need)} for it and this node has {size(available)} "
+                "available: set checkpoint.async: false (the loop then waits for each "
+                "save), or run on nodes with more memory"
+            )
+        return None
 
     def settle(self, wait: bool) -> None:
         """Collective: register the save in flight if every rank's part is in storage
@@ -125,18 +145,20 @@ class Saver:
             return
         if wait and job.thread is not None:
             job.thread.join()
-        states = self._gather((job.finished(), job.done_s, _said(job.error)))
-        if not all(done for done, _, _ in states):
+        states = self._gather((job.finished(), job.done_s, _said(job.error), job.part))
+        if not all(done for done, *_ in states):
             return
         self.pending = None
-        failed = [(r, said) for r, (_, _, said) in enumerate(states) if said]
+        self.last_part = job.part
+        job.written = sum(part for *_, part in states)
+        failed = [(r, said) for r, (_, _, said, _) in enumerate(states) if said]
         if job.error is not None:
             raise job.error
         if failed:
             rank, said = failed[0]
             raise CheckpointError(f"rank {rank} could not save {job.name}: {said}")
         self.ctx.reporter.register(job.metrics, job.name)
-        self._record(job, max(s for _, s, _ in states if s is not None))
+        self._record(job, max(s for _, s, _, _ in states if s is not None))
 
     def _record(self, job: Save, save_s: float) -> None:
         metrics = {

@@ -300,16 +300,36 @@ def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
     assert proxy.served <= 1.2 * model_bytes < 0.5 * size, (proxy.served, model_bytes, size)
     for name, value in params[2].items():  # a tied weight once, under its first name
         assert torch.equal(model.get(name, params[2]["tok.weight"]), value), name
-    # Corrupt one block of a file only rank 1 reads, in the store itself.
-    victim = next(
-        n for n, _ in storage.files_under(uri) if re.search(r"(__1_0\.distcp|zero_pp_rank_1_)", n)
-    )
+    # Corrupt one block of a file only rank 1 reads, in the store itself: in the middle
+    # of its largest, where tensors are (a byte of a zip's padding is never read).
+    rank1 = re.compile(r"(__1_0\.distcp|zero_pp_rank_1_)")
+    victim = max((n for n in storage.files_under(uri) if rank1.search(n[0])), key=lambda n: n[1])[0]
     data = bytearray(storage.read_bytes(storage.join(uri, victim)) or b"")
     data[len(data) // 2] ^= 0xFF
     storage.write_bytes(storage.join(uri, victim), bytes(data))
     run_ranks(2, tmp_path, restore_from_store, cfg, uri, s3_server, out)
     problems = [torch.load(f"{out}.{r}", weights_only=True)["problem"] for r in range(2)]
     assert problems[0] == problems[1] and victim in problems[0] and "corrupt" in problems[0]
+
+
+def test_an_async_save_whose_copy_cannot_fit_in_host_memory_is_refused_before_taking_it(
+    tmp_path: Path, pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """checkpoint.async copies the rank's part into host memory: on a node whose available
+    memory (as psutil reads it, here set low) cannot hold it, the save is refused with the
+    numbers and the fix, and nothing of it is written; async: false saves on that node."""
+    import psutil
+
+    reading = psutil.virtual_memory()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reading._replace(available=64 << 10))
+    with pytest.raises(storage.StorageError) as caught:
+        run(tmp_path / "run", train={"max_steps": 4}, checkpoint={"every_n_steps": 2})
+    said = str(caught.value)
+    assert "set checkpoint.async: false" in said, said
+    assert re.search(r"rank 0 needs about \d+\.\d [KM]iB for it and this node has 64\.0 KiB", said)
+    assert not list((tmp_path / "run").glob("checkpoint-*"))
+    run(tmp_path / "sync", train={"max_steps": 4}, checkpoint={"every_n_steps": 2, "async": False})
+    assert len(list((tmp_path / "sync").glob("checkpoint-*"))) == 2
 
 
 def train_and_keep_rows(rank: int, world: int, cfg_dict: dict, root: str) -> None:

@@ -8,6 +8,7 @@ sharded state. The loop never branches on the strategy.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,6 +21,14 @@ from torch.utils.checkpoint import checkpoint
 from raylift.precision import Precision
 from raylift.ranged import Files, dcp_reader
 from raylift.streaming import DCPModel
+
+# Writes a part taken by ``save`` (from any thread); where each item starts, by file.
+Write = Callable[[], dict[str, list[int]]]
+
+
+def written(starts: dict[str, list[int]]) -> Write:
+    """The :data:`Write` of a part already written, with where its items start."""
+    return lambda: starts
 
 
 class Engine(Protocol):
@@ -52,9 +61,12 @@ class Engine(Protocol):
         gradients instead of updating, and counts in ``skipped_steps``."""
         ...
 
-    def save(self, directory: Path) -> dict[str, list[int]]:
-        """Collective: every rank writes its part of model + optimizer state. Where each
-        item (tensor) starts in the files this rank wrote, by name, where the format says."""
+    def save(self, directory: Path, copy: bool) -> Write:
+        """Collective: every rank takes its part of model + optimizer state. With ``copy``
+        the part is copied to host memory now and the returned call writes it into
+        ``directory``, from any thread, while training changes the state; without, the
+        part is written now. The call returns where each item (tensor) starts in the
+        files this rank wrote, by name, where the format says."""
         ...
 
     def load(self, files: Files) -> None:
@@ -74,7 +86,7 @@ class Engine(Protocol):
 class StateIO(Protocol):
     """How an engine's model + optimizer state is written to and read from a folder."""
 
-    def save(self, folder: Path) -> dict[str, list[int]]: ...
+    def save(self, folder: Path, copy: bool) -> Write: ...
 
     def load(self, files: Files, folder: str) -> None:
         """Read back from the checkpoint's ``folder`` (``engine``)."""
@@ -92,6 +104,7 @@ class DCPState:
         # A frozen base (adapters) is never saved: it comes from its own weights at start.
         frozen = any(not p.requires_grad for p in model.parameters())
         self.options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        self._group: Any = None  # a gloo group of its own for writes from a thread
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimizer's state, the frozen base left out (under every
@@ -105,17 +118,38 @@ class DCPState:
             model_sd = {k: v for k, v in model_sd.items() if _local(v).data_ptr() not in frozen}
         return model_sd, optim_sd
 
-    def save(self, folder: Path) -> dict[str, list[int]]:
+    def save(self, folder: Path, copy: bool) -> Write:
         import torch.distributed.checkpoint as dcp
 
         model_sd, optim_sd = self._state()
-        metadata = dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
-        # Every rank gets where every item went; each lists the files it wrote itself.
-        starts: dict[str, list[int]] = {}
-        for info in metadata.storage_data.values():
-            if (folder / info.relative_path).is_file():
-                starts.setdefault(f"{folder.name}/{info.relative_path}", []).append(info.offset)
-        return starts
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if not copy:
+            return written(_starts(folder, dcp.save(state, checkpoint_id=str(folder))))
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # Plain host memory: pinned buffers would copy faster from a GPU, but pinning
+        # a rank's whole part for every save costs more than it saves on the copy.
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            staged = stager.stage(state)  # DTensors stay DTensors, their shards copied
+        finally:
+            stager.close()
+        group = self._writer_group()
+
+        def write() -> dict[str, list[int]]:
+            # DCP's planning is collective: on its own group, beside the loop's traffic.
+            return _starts(folder, dcp.save(staged, checkpoint_id=str(folder), process_group=group))
+
+        return write
+
+    def _writer_group(self) -> Any:
+        """Collective on first use (every rank saves together): the group that writes
+        from a thread, so its collectives never interleave with the loop's."""
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
 
     def load(self, files: Files, folder: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -135,6 +169,38 @@ class DCPState:
             optim_state_dict=state["optim"],
             options=self.options,
         )
+
+
+def _starts(folder: Path, metadata: Any) -> dict[str, list[int]]:
+    """Where each item DCP wrote starts, by file: every rank gets where every item went;
+    each lists the files it wrote itself."""
+    starts: dict[str, list[int]] = {}
+    for info in metadata.storage_data.values():
+        if (folder / info.relative_path).is_file():
+            starts.setdefault(f"{folder.name}/{info.relative_path}", []).append(info.offset)
+    return starts
+
+
+def host_copy(obj: Any, memo: dict[int, Any] | None = None) -> Any:
+    """``obj`` with every tensor in it copied to host memory (a tensor reached twice is
+    copied once); dicts, lists and tuples rebuilt, anything else kept as it is."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            # A view is copied alone: the copy never holds the rest of its storage.
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps its type: an OrderedDict, a defaultdict's factory
+        for k, v in obj.items():
+            out[k] = host_copy(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [host_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        values = [host_copy(v, memo) for v in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)
+    return obj
 
 
 def _local(t: Any) -> torch.Tensor:
@@ -255,8 +321,8 @@ class TorchEngine:
         }
         return with_frozen(held, tensor_bytes(p for p in params if not p.requires_grad))
 
-    def save(self, directory: Path) -> dict[str, list[int]]:
-        return self._state_io.save(directory / "engine")
+    def save(self, directory: Path, copy: bool) -> Write:
+        return self._state_io.save(directory / "engine", copy)
 
     def load(self, files: Files) -> None:
         self._state_io.load(files, "engine")

@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,13 @@ from raylift.lazytorch import LazyTensor, concat_range, load_lazy
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
-from raylift.strategies.base import apply_activation_checkpointing, with_frozen
+from raylift.strategies.base import (
+    Write,
+    apply_activation_checkpointing,
+    host_copy,
+    with_frozen,
+    written,
+)
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 from raylift.streaming import LazyModel, Spec, saved_model
 
@@ -344,6 +350,53 @@ def leave_out_tied_frozen(ds_engine: Any) -> None:
     ds_engine.module_state_dict = module_state_dict
 
 
+def _load_any(f: IO[bytes]) -> Any:
+    # DeepSpeed's files pickle more than tensors (its config, enums); DeepSpeed itself
+    # loads them whole, and their bytes are checked against the checksums written with them.
+    return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def part_files(config: Any) -> Any:
+    """DeepSpeed's checkpoint engine for raylift: a save can hold its files in host memory
+    to write them later (``holding``, then ``write_held`` from any thread), and a load
+    takes files already read (``loaded``, by path, kept until the load is over) before it
+    opens any itself."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class PartFiles(TorchCheckpointEngine):
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.holding = False
+            self.held: dict[str, Any] = {}
+            self.loaded: dict[str, Any] = {}
+
+        def preserves_storage_sharing(self) -> bool:
+            # Held files are copied tensor by tensor (a view alone); written ones as
+            # DeepSpeed's own engine writes them.
+            return not self.holding
+
+        def save(self, state_dict: Any, path: str) -> None:
+            if self.holding:
+                self.held[path] = host_copy(state_dict)
+            else:
+                super().save(state_dict, path)
+
+        def write_held(self) -> dict[str, list[int]]:
+            while self.held:
+                path, state = self.held.popitem()  # each copy freed once it is written
+                super().save(state, path)
+            return {}
+
+        def load(self, path: str, map_location: Any = None) -> Any:
+            if path in self.loaded:
+                # ZeRO-3 loads its model states twice; each caller may edit its dict.
+                found = self.loaded[path]
+                return dict(found) if isinstance(found, dict) else found
+            return super().load(path, map_location=map_location)
+
+    return PartFiles()
+
+
 class DeepSpeedEngine:
     """The loop's :class:`~raylift.strategies.base.Engine` over a DeepSpeed engine."""
 
@@ -356,6 +409,8 @@ class DeepSpeedEngine:
     ):
         self.ds = ds_engine
         leave_out_tied_frozen(ds_engine)
+        self.files = part_files(ds_engine._config)
+        ds_engine.checkpoint_engine = self.files
         self.model: nn.Module = ds_engine  # its forward gathers ZeRO-3 params and autocasts
         # raylift's torch optimizer, the one DeepSpeed steps: the loop's LambdaLR writes the
         # lr into the param_groups DeepSpeed reads (DeepSpeed's ZeRO wrapper is no
@@ -444,13 +499,18 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, directory: Path) -> dict[str, list[int]]:
+    def save(self, directory: Path, copy: bool) -> Write:
         folder = directory / ENGINE_DIR
         # DeepSpeed lets rank 0 create the folder; with per-rank local folders each makes its own.
         folder.mkdir(parents=True, exist_ok=True)
-        # A frozen base (adapters) is never saved: it comes from its own weights at start.
-        self.ds.save_checkpoint(str(folder), tag=TAG, exclude_frozen_parameters=True)
-        return {}  # a rank reads whole files: its own partitions and the shared ones
+        self.files.holding = copy
+        try:
+            # A frozen base (adapters) is never saved: it comes from its own weights at start.
+            self.ds.save_checkpoint(str(folder), tag=TAG, exclude_frozen_parameters=True)
+        finally:
+            self.files.holding = False
+        # A rank reads whole files (its own partitions and the shared ones): no item starts.
+        return self.files.write_held if copy else written({})
 
     def load(self, files: Files) -> None:
         names = files.names(ENGINE_DIR)
@@ -460,9 +520,10 @@ class DeepSpeedEngine:
             # DeepSpeed opens paths: this rank's own partition files and the shared ones
             # come to this machine (checked as they are read), not the other ranks'.
             rank = dist.get_rank()
-            mine = [n for n in names if _partition_of(n) in (None, rank)]
-            with files.local(mine) as root:
-                self._load(root / ENGINE_DIR)
+            # Its own partitions and the shared files DeepSpeed loads (not `latest` and
+            # the zero_to_fp32.py script DeepSpeed writes beside them).
+            mine = [n for n in names if n.endswith(".pt") and _partition_of(n) in (None, rank)]
+            self._load_read(files, mine)
             return
         # ZeRO partitions are laid out for `saved` ranks: reshard through DeepSpeed's
         # universal format, which reads them all. Each rank converts its own copy (no
@@ -471,6 +532,24 @@ class DeepSpeedEngine:
             universal = Path(tmp)
             to_universal(root / ENGINE_DIR, universal)
             self._load(universal, universal_format=True)
+
+    def _load_read(self, files: Files, names: list[str]) -> None:
+        """DeepSpeed's load, its files read once, straight from the checkpoint: each is
+        loaded and checked before DeepSpeed starts (whose collectives no rank may leave
+        midway), then handed to it by path. Empty files stand in for them on local disk,
+        as DeepSpeed finds its model states by listing the folder."""
+        loaded = files.load_each(names, _load_any)
+        with storage.scratch("ds-names") as tmp:
+            root = Path(tmp)
+            for name in names:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).touch()
+            self.files.loaded = {str(root / n): obj for n, obj in loaded.items()}
+            del loaded
+            try:
+                self._load(root / ENGINE_DIR)
+            finally:
+                self.files.loaded = {}
 
     def _load(self, folder: Path, universal_format: bool = False) -> None:
         config = self.ds._config

@@ -21,7 +21,13 @@ from raylift.init import Initializer, write_in_place
 from raylift.optim import implementation, optimizer_class_and_kwargs, param_groups
 from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
-from raylift.strategies.base import TorchEngine, apply_activation_checkpointing
+from raylift.strategies.base import (
+    TorchEngine,
+    Write,
+    apply_activation_checkpointing,
+    host_copy,
+    written,
+)
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 from raylift.streaming import LazyModel, saved_model
 
@@ -55,14 +61,21 @@ class ConsolidatedState:
         # A frozen base (adapters) is never saved: it comes from its own weights at start.
         self.frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
 
-    def save(self, folder: Path) -> dict[str, list[int]]:
+    def save(self, folder: Path, copy: bool) -> Write:
         self.optimizer.consolidate_state_dict(recipient_rank=0)  # collective
-        if dist.get_rank() == 0:
+        if dist.get_rank() != 0:
+            return dict  # rank 0 writes the one file
+        model = {k: v for k, v in self.module.state_dict().items() if k not in self.frozen}
+        state = {"model": model, "optim": self.optimizer.state_dict()}
+        if copy:
+            state = host_copy(state)
+
+        def write() -> dict[str, list[int]]:
             folder.mkdir(parents=True, exist_ok=True)
-            model = {k: v for k, v in self.module.state_dict().items() if k not in self.frozen}
-            state = {"model": model, "optim": self.optimizer.state_dict()}
             torch.save(state, folder / STATE_FILE)
-        return {}  # every rank reads the file whole: blocks of BLOCK bytes serve it
+            return {}  # every rank reads the file whole: blocks of BLOCK bytes serve it
+
+        return write if copy else written(write())
 
     def load(self, files: Files, folder: str) -> None:
         # One consolidated file: every rank reads it whole and keeps its own partition.

@@ -12,7 +12,7 @@ never in memory whole; the adapters, small, are.
 from __future__ import annotations
 
 import dataclasses
-import re
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,19 +20,23 @@ from typing import Any
 import torch
 
 from raylift import storage
-from raylift.adapters import ADAPTER_NAME, is_adapter, targets
+from raylift.adapters import (
+    ADAPTER_NAME,
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    adapter_tensors,
+    attach,
+    is_adapter,
+    peft_key,
+    saved_whole,
+    targets,
+)
 from raylift.checkpoint import CheckpointError
 from raylift.export import each_tensor, hf_config_of, shard_bytes
 from raylift.streaming import CODES, Spec, write_hf_shards, write_safetensors
 from raylift.weights import header_entries, raw_header, weight_files, weights_path
 
 DTYPES = {code: dtype for dtype, code in CODES.items()}
-
-
-def peft_key(name: str) -> str:
-    """PEFT's name in ``adapter_model.safetensors`` for the model's ``name``: under
-    ``base_model.model.``, without the adapter's own name."""
-    return "base_model.model." + re.sub(rf"\.(lora_[A-Za-z_]+)\.{ADAPTER_NAME}\.", r".\1.", name)
 
 
 def adapter_modules(cfg: Any, task: Any) -> tuple[list[str], list[str]]:
@@ -42,6 +46,60 @@ def adapter_modules(cfg: Any, task: Any) -> tuple[list[str], list[str]]:
     wanted = cfg.model.adapter
     saved = targets(model, wanted.modules_to_save) if wanted.modules_to_save else []
     return targets(model, wanted.target_modules), saved
+
+
+def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str] | None) -> None:
+    """The driver's check of ``model.adapter.weights``, before any worker starts: a PEFT
+    folder of LoRA adapters as this run's ``model.adapter`` makes them (rank, alpha,
+    layers), trained on this run's ``base`` where its raylift note says which, every
+    adapter at its shape (headers only, ranged reads on an object store)."""
+    from raylift.weights import WeightsError, check
+
+    text = storage.read_text(storage.join(folder, PEFT_CONFIG))
+    if text is None:
+        raise WeightsError(
+            f"model.adapter.weights: {folder} has no {PEFT_CONFIG}; point it at a PEFT "
+            "adapter folder (raylift export RUN --format peft writes one)"
+        )
+    saved, wanted = json.loads(text), cfg.model.adapter
+    with torch.device("meta"):
+        model = task.build_model()
+    layers = targets(model, wanted.target_modules)
+    theirs = saved.get("target_modules") or []
+    theirs_layers = targets(model, theirs if isinstance(theirs, list) else str(theirs))
+    if (saved.get("r"), float(saved.get("lora_alpha", 0)), sorted(theirs_layers)) != (
+        wanted.r,
+        float(wanted.alpha),
+        sorted(layers),
+    ):
+        raise WeightsError(
+            f"model.adapter.weights: {folder} holds LoRA r={saved.get('r')} alpha="
+            f"{saved.get('lora_alpha')} on {len(theirs_layers)} layers; this run's "
+            f"model.adapter is r={wanted.r} alpha={wanted.alpha:g} on {len(layers)} layers: "
+            "set model.adapter as the adapters were trained, or model.adapter.weights: null "
+            "to start them afresh"
+        )
+    _check_same_base(folder, base)
+    named_as = adapter_tensors(saved_whole(model, wanted))
+    file = storage.join(folder, PEFT_WEIGHTS)
+    check(attach(model, wanted), file, named_as, "model.adapter.weights")
+
+
+def _check_same_base(folder: str, base: dict[str, str] | None) -> None:
+    """Adapters that raylift logged name their base's headers: another base is refused."""
+    from raylift.mlmodel import NOTE
+    from raylift.weights import WeightsError
+
+    note = json.loads(storage.read_text(storage.join(folder, NOTE)) or "{}")
+    trained_on = note.get("base_headers")
+    if base is None or trained_on is None or trained_on == base["headers"]:
+        return
+    raise WeightsError(
+        f"model.adapter.weights: {folder} holds adapters trained on the base "
+        f"{note.get('base')} (headers {trained_on[:12]}...); this run's base is "
+        f"{base['weights']} (headers {base['headers'][:12]}...). Point the run at the base "
+        "they trained on, or model.adapter.weights: null to start the adapters afresh"
+    )
 
 
 def export_peft(path: str, out: Path, cfg: Any, task: Any) -> tuple[str, int]:
@@ -62,7 +120,7 @@ def export_peft(path: str, out: Path, cfg: Any, task: Any) -> tuple[str, int]:
                 if spec.name in kept:
                     yield kept[spec.name], tensor
 
-        write_safetensors(out / "adapter_model.safetensors", list(kept.values()), renamed())
+        write_safetensors(out / PEFT_WEIGHTS, list(kept.values()), renamed())
         return len(kept)
 
     ckpt, n = each_tensor(path, write)

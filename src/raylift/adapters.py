@@ -26,6 +26,8 @@ from torch import nn
 from raylift.config import AdapterConfig
 
 ADAPTER_NAME = "default"  # PEFT's name for a model's one adapter
+PEFT_WEIGHTS = "adapter_model.safetensors"  # a PEFT adapter folder's tensors
+PEFT_CONFIG = "adapter_config.json"  # and its LoraConfig
 _ADAPTER_PART = re.compile(r"(^|\.)lora_[A-Za-z_]+(\.|$)")
 
 
@@ -37,6 +39,31 @@ def is_adapter(name: str) -> bool:
 def base_name(name: str) -> str:
     """The name a base model's files give the tensor the adapted model calls ``name``."""
     return name.replace(".base_layer.", ".")
+
+
+def peft_key(name: str) -> str:
+    """PEFT's name in ``adapter_model.safetensors`` for the model's ``name``: under
+    ``base_model.model.``, without the adapter's own name."""
+    return "base_model.model." + re.sub(rf"\.(lora_[A-Za-z_]+)\.{ADAPTER_NAME}\.", r".\1.", name)
+
+
+def adapter_tensors(saved: list[str]) -> Any:
+    """A weights file's view of a model with adapters (``weights.NamedAs``): the adapters
+    and the modules ``saved`` whole, under PEFT's names, as ``adapter_model.safetensors``
+    holds them."""
+    whole = tuple(f"{n}." for n in saved)
+
+    def named_as(model: nn.Module, named: Any) -> Any:
+        for name, tensor in named:
+            if is_adapter(name) or name.startswith(whole):
+                yield peft_key(name), tensor
+
+    return named_as
+
+
+def saved_whole(model: nn.Module, cfg: AdapterConfig) -> list[str]:
+    """The modules ``cfg.modules_to_save`` names, trained whole beside the adapters."""
+    return targets(model, cfg.modules_to_save) if cfg.modules_to_save else []
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

@@ -306,9 +306,18 @@ class AdapterConfig:
     target_modules: str | list[str] = "all-linear"
     # modules trained whole beside the adapters (the embeddings, say), by name as above
     modules_to_save: list[str] = dataclasses.field(default_factory=list)
+    # adapters to start from instead of a fresh draw: a PEFT folder (adapter_config.json,
+    # adapter_model.safetensors; local or a URI) or the MLflow model of a run that
+    # trained adapters (models:/NAME/VERSION, runs:/RUN_ID/model), on the same base
+    weights: str | None = None
 
     def problems(self) -> list[str]:
         out: list[str] = []
+        if self.weights and not self.type:
+            out.append(
+                "model.adapter.weights: adapters to start from, but model.adapter.type is "
+                "null (every parameter trains); set model.adapter.type: lora"
+            )
         if self.type is not None and self.type not in ADAPTERS:
             out.append(
                 f"model.adapter.type: {self.type!r} is not one of {ADAPTERS}; null trains "

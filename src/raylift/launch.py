@@ -403,7 +403,12 @@ def _train(
         raise EnvironmentProblem(problem)
     manifest, cache = prepare_data(cfg, log, startup)
     # Workers run in folders of their own: they get the paths this driver resolved.
-    model = dataclasses.replace(cfg.model, weights=weights_absolute(cfg.model.weights))
+    adapter = dataclasses.replace(
+        cfg.model.adapter, weights=weights_absolute(cfg.model.adapter.weights)
+    )
+    model = dataclasses.replace(
+        cfg.model, weights=weights_absolute(cfg.model.weights), adapter=adapter
+    )
     cfg = dataclasses.replace(resolve_auto(cfg, log), storage=where, model=model)
     startup.mark("auto")
     problems = before_workers(cfg)  # a cluster of several nodes: storage and tracking

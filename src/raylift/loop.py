@@ -19,9 +19,19 @@ from typing import Any, cast
 
 import torch
 
-from raylift.adapters import attach, base_of, describe, init_adapters, is_adapter
+from raylift import storage
+from raylift.adapters import (
+    PEFT_WEIGHTS,
+    adapter_tensors,
+    attach,
+    base_of,
+    describe,
+    init_adapters,
+    is_adapter,
+    saved_whole,
+)
 from raylift.checkpoint import Checkpointer, LoopState
-from raylift.config import Config, EarlyStoppingConfig, elastic_accum
+from raylift.config import AdapterConfig, Config, EarlyStoppingConfig, elastic_accum
 from raylift.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.data.ingest import to_device
 from raylift.init import InitReport, initialize, kept_by_name, whole
@@ -97,17 +107,23 @@ def initial_weights(
     sharded: bool,
     kept: dict[str, torch.Tensor],
     write: Any,
+    adapters: AdapterConfig | None = None,
 ) -> InitReport:
     """The seeded initial-weights pass, the adapters' own draw over it where the model
-    has adapters, then ``model.weights`` over it where given (the base's tensors)."""
+    has adapters, then ``model.weights`` over it where given (the base's tensors), and
+    the adapters' own weights where ``adapters`` names them."""
     report = initialize(model, task, seed, write, sharded=sharded, kept=kept)
     kept.clear()  # the constructor values are in the parameters now: free the host copies
     if any(is_adapter(n) for n, _ in model.named_parameters()):
         report.adapters = init_adapters(model, seed + 1, write, whole, {})
-    if weights:
-        from raylift.weights import load
+    from raylift.weights import load
 
+    if weights:
         load(model, weights, write)
+    if adapters is not None and adapters.weights:  # the adapters to start from, over the draw
+        file = storage.join(adapters.weights, PEFT_WEIGHTS)
+        named_as = adapter_tensors(saved_whole(model, adapters))
+        load(model, file, write, named_as, "model.adapter.weights")
     return report
 
 
@@ -194,9 +210,8 @@ class Trainer:
         del kept
 
         def init(write: Any) -> InitReport:
-            reports.append(
-                initial_weights(model, self.task, cfg.train.seed, weights, sharded, by_name, write)
-            )
+            args = (cfg.train.seed, weights, sharded, by_name, write, cfg.model.adapter)
+            reports.append(initial_weights(model, self.task, *args))
             return reports[-1]
 
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
@@ -247,6 +262,10 @@ class Trainer:
         directory = str(directory)
         saved = self.checkpointer.restore(directory)
         self.state = LoopState(**saved["loop"])
+        # Counted in this world's micro-batches: at another world size (an elastic resize)
+        # the saved count is another size's, and its accumulation phase would be off.
+        # A checkpoint is taken between steps, so the rows are whole micro-batches here.
+        self.state.batch_in_epoch = self.state.epoch_rows // self.ctx.source.rows_per_micro_batch
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
         # Numbered by the run, not the checkpoint: two resumes from one checkpoint (a node

@@ -38,6 +38,7 @@ from raylift.weights import weights_path
 MODEL_NAME = "model"  # the logged model's name: runs:/RUN_ID/model resolves it
 NOTE = "raylift-model.json"  # what the folder holds and where it came from
 WEIGHTS_DIR = "weights"  # in the run's folder: model.weights fetched from MLflow
+ADAPTERS_DIR = "adapter-weights"  # and model.adapter.weights
 SOURCE_FILE = ".source"  # in WEIGHTS_DIR: the URI it was fetched from
 
 
@@ -97,11 +98,14 @@ def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:
 
     task = build_task(cfg.task, cfg.task_args)
     fmt = "hf" if hf_config_or_none(task) is not None else "safetensors"
+    base = None
     if cfg.model.adapter.type:  # the adapters alone (small), naming their base
         from raylift.adapter_export import export_peft
+        from raylift.adapters import base_of
 
         fmt = "peft"
         export_peft(ckpt, out, cfg, task)
+        base = base_of(cfg, weights_path(cfg, task))
     elif fmt == "hf":
         export_hf(ckpt, out, task)
     else:
@@ -113,7 +117,8 @@ def model_folder(ckpt: str, cfg: Config, run_dir: str, out: Path) -> str:
         "task": cfg.task,
         "task_args": redact(cfg.task_args),
         "format": fmt,
-        "base": weights_path(cfg, task) if fmt == "peft" else None,
+        "base": base["weights"] if base else None,
+        "base_headers": base["headers"] if base else None,  # a rerun checks it trains on it
         "checkpoint": ckpt,
         "step": checkpoint_step(ckpt),
         "metrics": read_loop_state(ckpt).get("metrics", {}),
@@ -165,30 +170,66 @@ def is_mlflow_uri(path: str | None) -> bool:
 def fetch_weights(
     cfg: Config, run_dir: str, tracking_uri: str, log: Callable[[str], None]
 ) -> Config:
-    """``cfg`` with an MLflow ``model.weights`` replaced by its copy in the run's folder,
-    downloaded there once (a rerun that resumes finds it); other weights pass through."""
-    source = cfg.model.weights
-    if not is_mlflow_uri(source):
-        return cfg
-    assert source is not None
-    staged = storage.join(run_dir, WEIGHTS_DIR)
+    """``cfg`` with an MLflow ``model.weights`` (and ``model.adapter.weights``) replaced by
+    its copy in the run's folder, downloaded there once (a rerun that resumes finds it);
+    other weights pass through."""
+    from raylift.tasks import build_task
+    from raylift.weights import check_for_config
+
+    task = build_task(cfg.task, cfg.task_args)
+    weights = _fetched("model.weights", cfg.model.weights, run_dir, WEIGHTS_DIR, tracking_uri,
+                       log, lambda tmp: check_for_config(cfg, task, tmp))  # fmt: skip
+    model = dataclasses.replace(cfg.model, weights=weights)
+    adapters = _fetched("model.adapter.weights", cfg.model.adapter.weights, run_dir,
+                        ADAPTERS_DIR, tracking_uri, log,
+                        lambda tmp: _check_adapters(cfg, task, tmp, weights))  # fmt: skip
+    model = dataclasses.replace(model, adapter=dataclasses.replace(model.adapter, weights=adapters))
+    return dataclasses.replace(cfg, model=model)
+
+
+def _check_adapters(cfg: Config, task: Any, folder: str, weights: str | None) -> None:
+    from raylift.adapter_export import check_adapter_weights
+    from raylift.adapters import base_of
+
+    base = weights or weights_path(cfg, task)
+    check_adapter_weights(cfg, task, folder, None if base is None else base_of(cfg, base))
+
+
+def _fetched(
+    key: str,
+    source: str | None,
+    run_dir: str,
+    folder: str,
+    tracking_uri: str,
+    log: Callable[[str], None],
+    check: Callable[[str], None],
+) -> str | None:
+    """``source``'s copy in the run's ``folder`` where it is an MLflow URI, else itself."""
+    if source is None or not is_mlflow_uri(source):
+        return source
+    staged = storage.join(run_dir, folder)
     if storage.read_text(storage.join(staged, SOURCE_FILE)) != source:
         started = time.perf_counter()
-        size = download(source, staged, tracking_uri, cfg)
+        size = download(source, staged, tracking_uri, check, key)
         log(
-            f"raylift: model.weights {source} -> {staged} "
+            f"raylift: {key} {source} -> {staged} "
             f"({size / 2**20:.1f} MiB, {time.perf_counter() - started:.1f} s)"
         )
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weights=staged))
+    return staged
 
 
-def download(source: str, staged: str, tracking_uri: str, cfg: Config) -> int:
-    """The MLflow model at ``source``, checked against the task's model, into ``staged``
-    (a folder or a URI); its bytes."""
+def download(
+    source: str,
+    staged: str,
+    tracking_uri: str,
+    check: Callable[[str], None],
+    key: str = "model.weights",
+) -> int:
+    """The MLflow model at ``source`` (the config's ``key``), passed by ``check`` (a local
+    folder), into ``staged`` (a folder or a URI); its bytes."""
     import pyarrow.fs as pafs
 
-    from raylift.tasks import build_task
-    from raylift.weights import WeightsError, check_for_config
+    from raylift.weights import WeightsError
 
     with storage.scratch("weights") as tmp:
         try:
@@ -199,11 +240,11 @@ def download(source: str, staged: str, tracking_uri: str, cfg: Config) -> int:
                 mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=tmp)
         except Exception as exc:  # MLflow's own error types: a missing model, a bad URI
             raise WeightsError(
-                f"model.weights: cannot fetch {source} from the tracking store "
+                f"{key}: cannot fetch {source} from the tracking store "
                 f"{tracking_uri}: {first_line(exc)}; check the name and version "
                 "(models:/NAME/VERSION) or run id (runs:/RUN_ID/model), and tracking.uri"
             ) from exc
-        check_for_config(cfg, build_task(cfg.task, cfg.task_args), tmp)
+        check(tmp)
         size = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
         fs, where = storage.filesystem(staged)
         fs.create_dir(where, recursive=True)

@@ -39,6 +39,7 @@ class Save:
     dest: str
     started: float
     blocked: float = 0.0  # seconds the loop stopped for it
+    waited: float = 0.0  # of which waiting for the save before it to be complete
     part: int = 0  # bytes of this rank's part
     written: int = 0  # bytes of all ranks' parts
     done_s: float | None = None  # seconds from start until this rank's part was in storage
@@ -80,6 +81,7 @@ class Saver:
         """Collective: every rank takes its part and starts writing it."""
         started = time.perf_counter()
         self.settle(wait=True)  # one save in flight: this one waits for the one before
+        waited = time.perf_counter() - started
         rank = self.ctx.rank
         folder = storage.scratch_dir("ckpt")
         try:
@@ -98,7 +100,7 @@ class Saver:
             job.thread.start()
         else:
             job.upload(rank)
-        job.blocked = time.perf_counter() - started
+        job.blocked, job.waited = time.perf_counter() - started, waited
         self.pending = job
         if not self.background:
             self.settle(wait=True)
@@ -163,6 +165,7 @@ class Saver:
     def _record(self, job: Save, save_s: float) -> None:
         metrics = {
             "checkpoint_blocked_s": job.blocked,
+            "checkpoint_wait_s": job.waited,
             "checkpoint_save_s": save_s,
             "checkpoint_bytes": float(job.written),
         }
@@ -170,6 +173,7 @@ class Saver:
         self.ctx.log(
             f"raylift: {job.name} saved: {job.written / 2**20:,.1f} MiB, complete in storage "
             f"{save_s:.2f} s after it began; training stopped {job.blocked:.2f} s for it"
+            + _queued(job)
         )
 
     def _gather(self, value: Any) -> list[Any]:
@@ -182,6 +186,17 @@ class Saver:
         out: list[Any] = [None] * world
         dist.all_gather_object(out, value)
         return out
+
+
+def _queued(job: Save) -> str:
+    """What the console adds where most of a save's stop was the save before it: the
+    storage takes longer than the steps between saves, and they queue."""
+    if job.waited < 1.0 or job.waited < 0.5 * job.blocked:
+        return ""
+    return (
+        f" ({job.waited:.2f} s of it waiting for the save before: checkpoints come faster "
+        "than the storage takes them; raise checkpoint.every_n_steps)"
+    )
 
 
 def _said(error: BaseException | None) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ from raylift import storage
 from raylift.adapters import base_name, is_adapter
 from raylift.data.sources import SourceError
 from raylift.init import Writer
+
+# A model's tensors as a weights file names them: (model, named tensors) -> (name, tensor).
+NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -122,20 +125,24 @@ def file_shapes(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]
     return out
 
 
-def expected(model: nn.Module) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
-    """The model's tensors to load (parameters once each, persistent buffers) and, per
-    name, the other names a tied parameter goes by."""
+def expected(
+    model: nn.Module, named_as: NamedAs | None = None
+) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """The model's tensors to load (parameters once each, persistent buffers), under the
+    files' names (``named_as``: the base's, by default), and, per name, the other names a
+    tied parameter goes by."""
+    named_as = named_as or base_tensors
     shapes: dict[str, tuple[int, ...]] = {}
     aliases: dict[str, list[str]] = {}
     first: dict[int, str] = {}
-    for name, p in base_tensors(model, model.named_parameters(remove_duplicate=False)):
+    for name, p in named_as(model, model.named_parameters(remove_duplicate=False)):
         if id(p) in first:
             aliases[first[id(p)]].append(name)
             continue
         first[id(p)] = name
         aliases[name] = []
         shapes[name] = tuple(getattr(p, "ds_shape", p.shape))
-    for name, b in base_tensors(model, model.state_dict(keep_vars=True).items()):
+    for name, b in named_as(model, model.state_dict(keep_vars=True).items()):
         if name not in shapes and not any(name in a for a in aliases.values()):
             shapes[name] = tuple(b.shape)
     return shapes, aliases
@@ -150,16 +157,19 @@ def base_tensors(model: nn.Module, named: Any) -> Iterator[tuple[str, Any]]:
             yield base_name(name), tensor
 
 
-def check(model: nn.Module, path: str) -> dict[str, str]:
-    """Every tensor of ``model`` in the files at its shape, and nothing else; the
-    name -> file map to load from. WeightsError names what is wrong."""
+def check(
+    model: nn.Module, path: str, named_as: NamedAs | None = None, key: str = "model.weights"
+) -> dict[str, str]:
+    """Every tensor of ``model`` (as ``named_as`` names them) in the files at its shape,
+    and nothing else; the name -> file map to load from. WeightsError names what is
+    wrong, and the config ``key`` that gave the files."""
     found = file_shapes(weight_files(path))
-    shapes, aliases = expected(model)
+    shapes, aliases = expected(model, named_as)
     known = set(shapes) | {a for names in aliases.values() for a in names}
     extra = sorted(set(found) - known)
     if extra:
         raise WeightsError(
-            f"model.weights: tensor {extra[0]} in {found[extra[0]][1]} is not in the "
+            f"{key}: tensor {extra[0]} in {found[extra[0]][1]} is not in the "
             f"task's model ({len(extra)} such); check that the weights are for this "
             "model and its task_args"
         )
@@ -167,13 +177,11 @@ def check(model: nn.Module, path: str) -> dict[str, str]:
     for name, shape in shapes.items():
         have = next((n for n in [name, *aliases.get(name, [])] if n in found), None)
         if have is None:
-            raise WeightsError(
-                f"model.weights: tensor {name} (shape {list(shape)}) is missing from {path}"
-            )
+            raise WeightsError(f"{key}: tensor {name} (shape {list(shape)}) is missing from {path}")
         got, file = found[have]
         if got != shape:
             raise WeightsError(
-                f"model.weights: tensor {have} in {file} has shape {list(got)}, the model's "
+                f"{key}: tensor {have} in {file} has shape {list(got)}, the model's "
                 f"is {list(shape)}; check task_args against the weights' config"
             )
         source[name] = have
@@ -197,15 +205,22 @@ def weights_path(cfg: Any, task: Any) -> str | None:
 
 def check_for_config(cfg: Any, task: Any, path: str | None = None) -> None:
     """The driver's check, on the model built without storage (no memory, any size), of
-    ``path`` (by default the run's weights). MLflow URIs are checked once fetched."""
+    ``path`` (by default the run's weights) and of the adapters to start from. MLflow URIs
+    are checked once fetched."""
     from raylift.mlmodel import is_mlflow_uri
 
     path = path or weights_path(cfg, task)
-    if path is None or is_mlflow_uri(path):
-        return
-    with torch.device("meta"):
-        model = task.build_model()
-    check(model, path)  # headers only, where they are: ranged reads on an object store
+    if path is not None and not is_mlflow_uri(path):
+        with torch.device("meta"):
+            model = task.build_model()
+        check(model, path)  # headers only, where they are: ranged reads on an object store
+    adapters = cfg.model.adapter.weights
+    if adapters and not is_mlflow_uri(adapters):
+        from raylift.adapter_export import check_adapter_weights
+        from raylift.adapters import base_of
+
+        base = None if path is None or is_mlflow_uri(path) else base_of(cfg, path)
+        check_adapter_weights(cfg, task, adapters, base)
 
 
 @contextlib.contextmanager
@@ -225,8 +240,16 @@ def on_this_machine(path: str) -> Iterator[str]:
         yield str(folder)
 
 
-def load(model: nn.Module, path: str, write: Writer) -> None:
-    """Collective: rank 0 reads each tensor, every rank writes its share of it."""
+def load(
+    model: nn.Module,
+    path: str,
+    write: Writer,
+    named_as: NamedAs | None = None,
+    key: str = "model.weights",
+) -> None:
+    """Collective: rank 0 reads each tensor (the model's as ``named_as`` names them: the
+    base's, by default), every rank writes its share of it."""
+    named_as = named_as or base_tensors
     import torch.distributed as dist
     from safetensors import safe_open
 
@@ -234,12 +257,12 @@ def load(model: nn.Module, path: str, write: Writer) -> None:
     with contextlib.ExitStack() as stack:
         # Rank 0 alone reads: only it needs the files on its machine.
         local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
-        shared: list[Any] = [check(model, local) if rank == 0 else {}]
+        shared: list[Any] = [check(model, local, named_as, key) if rank == 0 else {}]
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
         plan: dict[str, str] = shared[0]
-        params = dict(base_tensors(model, model.named_parameters()))
-        buffers = dict(base_tensors(model, model.named_buffers()))
+        params = dict(named_as(model, model.named_parameters()))
+        buffers = dict(named_as(model, model.named_buffers()))
         opened: dict[str, Any] = {}
         for name, where in plan.items():
             file, key = where.split("::", 1)

@@ -219,8 +219,9 @@ def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank
     pretrained: Path, lora_curves: dict, tmp_path: Path, name: str
 ) -> None:
     """The checkpoint at step 15 holds the adapters and their optimizer state, not the
-    base; resumed at 2 ranks the curve is the uninterrupted one, at 1 rank the adapters
-    are exactly those saved and the base exactly the pretrained one."""
+    base; resumed at 2 ranks, and at 1 accumulating what 2 did, the curve is the
+    uninterrupted one; at 1 rank the adapters are exactly those saved and the base exactly
+    the pretrained one."""
     from safetensors.torch import load_file
 
     from raylift.checkpoint import CheckpointReader
@@ -244,9 +245,14 @@ def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank
     assert sorted(two["loss"]) == list(range(16, 31))
     for step, loss in two["loss"].items():
         assert loss == pytest.approx(full[step], rel=1e-6), (name, step)
-    run_ranks(1, tmp_path, resume_watching, cfg, str(ckpt), str(tmp_path / "one.pt"))
+    # 2 -> 1 as an elastic run does it: the one rank accumulates both ranks' micro-batches,
+    # the same rows in each step, so the curve goes on as the uninterrupted one.
+    elastic = lora_run(pretrained, STRATEGIES[name], scaling={"num_workers": [1, 2]})
+    run_ranks(1, tmp_path, resume_watching, elastic, str(ckpt), str(tmp_path / "one.pt"))
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     assert sorted(one["loss"]) == list(range(16, 31))
+    for step, loss in one["loss"].items():
+        assert loss == pytest.approx(full[step], rel=1e-6), (name, step)
     base = load_file(pretrained / "model.safetensors")
     for key, value in one["params"].items():
         tied = base["model.embed_tokens.weight"]  # the head: not in the files, tied
@@ -277,6 +283,72 @@ def test_a_resume_on_another_base_is_refused_naming_both(
         load_checkpoint(CheckpointReader(str(ckpt)), None, 0, "fsdp", base)  # type: ignore[arg-type]
     said = str(caught.value)
     assert f"trained adapters on the base {pretrained}" in said and f"base is {other}" in said
+
+
+def start_watching(rank: int, world: int, cfg_dict: dict, out: str) -> None:
+    """Build the run's trainer (its initial weights) and keep them, on rank 0."""
+    from tests.helpers import make_trainer, settle
+
+    cfg = config_from_dict(cfg_dict)
+    trainer = make_trainer(cfg, rank, world, LocalReporter(Path(out).parent), ListTracker())
+    settle(trainer.engine)
+    params = whole_params(trainer.engine)
+    if rank == 0:
+        torch.save({"params": params}, out)
+
+
+def test_registered_adapters_train_again_from_the_registry_on_the_same_base(
+    pretrained: Path, lora_curves: dict, tmp_path: Path
+) -> None:
+    """The fsdp run's adapters, logged to MLflow (a sqlite store) and registered as a run
+    logs them, are where a new run starts with ``model.adapter.weights: models:/NAME/1``:
+    fetched into its folder, checked, and loaded bit for bit (here under ZeRO-3). Adapters
+    of another rank, or trained on another base, are refused naming both."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from raylift.mlmodel import fetch_weights, model_folder
+    from raylift.tracking import Store, start_run
+    from raylift.weights import WeightsError, check_for_config
+
+    run = lora_curves["fsdp"]["dir"]
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = config_from_dict(lora_run(pretrained, STRATEGIES["fsdp"], tracking={"uri": uri}))
+    logged = tmp_path / "logged"
+    logged.mkdir()
+    assert model_folder(str(run / "checkpoint-step00000030"), cfg, str(run), logged) == "peft"
+    run_id = start_run(cfg, str(tmp_path / "runs"), resume=False, world_size=2)
+    _, registered = Store(uri).log_model(run_id, str(logged), {}, "llama-lora")
+    assert registered == "models:/llama-lora/1"
+    again = config_from_dict(lora_run(pretrained, STRATEGIES["zero3"],
+                                      model={"adapter": {"weights": registered}}))  # fmt: skip
+    said: list[str] = []
+    fetched = fetch_weights(again, str(tmp_path / "again"), uri, said.append)
+    staged = fetched.model.adapter.weights
+    assert staged == str(tmp_path / "again" / "adapter-weights")
+    assert said and said[0].startswith(f"raylift: model.adapter.weights {registered} -> {staged}")
+    run_ranks(2, tmp_path, start_watching, fetched.to_dict(), str(tmp_path / "start.pt"))
+    started = torch.load(tmp_path / "start.pt", weights_only=True)["params"]
+    trained = lora_curves["fsdp"]["params"]  # after its last step, whose checkpoint was logged
+    adapters = [k for k in trained if is_adapter(k)]
+    assert adapters and all(torch.equal(started[k], trained[k]) for k in adapters)
+    task = build_task(again.task, again.task_args)
+    wider = config_from_dict(lora_run(pretrained, STRATEGIES["fsdp"],
+                                      model={"adapter": {"r": 4, "weights": staged}}))  # fmt: skip
+    with pytest.raises(WeightsError) as caught:
+        check_for_config(wider, task)
+    assert "holds LoRA r=8 alpha=16" in str(caught.value) and "is r=4" in str(caught.value)
+    other = tmp_path / "other"
+    shutil.copytree(pretrained, other)
+    model = AutoModelForCausalLM.from_pretrained(other, local_files_only=True)
+    model.to(torch.bfloat16).save_pretrained(other)  # another base: its headers differ
+    moved = config_from_dict(lora_run(other, STRATEGIES["fsdp"],
+                                      model={"adapter": {"weights": staged}}))  # fmt: skip
+    with pytest.raises(WeightsError) as caught:
+        check_for_config(moved, build_task(moved.task, moved.task_args))
+    assert f"trained on the base {pretrained}" in str(caught.value), caught.value
+    assert f"this run's base is {other}" in str(caught.value)
 
 
 def export_cli(cfg: dict, run: Path, fmt: str, out: Path) -> None:

@@ -375,6 +375,7 @@ def test_async_and_sync_saves_write_the_same_checkpoints_and_log_what_they_cost(
                       if not p.name.startswith("complete-"))  # fmt: skip
         assert logged["checkpoint_bytes"] == written
         assert logged["checkpoint_blocked_s"] > 0 and logged["checkpoint_save_s"] > 0
+        assert 0 <= logged["checkpoint_wait_s"] <= logged["checkpoint_blocked_s"]
 
 
 def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_ones(

@@ -244,8 +244,9 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
     import mlflow
 
     from raylift.mlmodel import download
+    from raylift.tasks import build_task
     from raylift.tracking import Store, start_run
-    from raylift.weights import WeightsError
+    from raylift.weights import WeightsError, check_for_config
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
@@ -267,7 +268,9 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
     assert version.run_id == run_id
     # Fetched from the store (then refused: a byte file is not the task's model).
     with pytest.raises(WeightsError) as refused:
-        download("models:/digits/1", str(tmp_path / "staged"), uri, cfg)
+        task = build_task(cfg.task, cfg.task_args)
+        download("models:/digits/1", str(tmp_path / "staged"), uri,
+                 lambda tmp: check_for_config(cfg, task, tmp))  # fmt: skip
     assert "cannot fetch" not in str(refused.value), refused.value
 
 

@@ -93,10 +93,15 @@ def test_resume_continues_the_curve_and_reshards_to_one_worker(
     for step, loss in two["loss"].items():
         assert loss == pytest.approx(full[step], rel=1e-6), step
 
-    # 2 -> 1 worker: the checkpoint reshards; the weights are exactly those saved.
-    run_ranks(1, tmp_path, resume_and_record, cfg, str(ckpt), str(tmp_path / "one.pt"))
+    # 2 -> 1 worker, as an elastic run shrinks: the checkpoint reshards, the weights are
+    # exactly those saved, and the one worker accumulates what two did (the same rows in
+    # every step), so the curve goes on as the uninterrupted one.
+    elastic = merge(cfg, {"scaling": {"num_workers": [1, 2]}})
+    run_ranks(1, tmp_path, resume_and_record, elastic, str(ckpt), str(tmp_path / "one.pt"))
     one = torch.load(tmp_path / "one.pt", weights_only=True)
     assert sorted(one["loss"]) == list(range(16, 31))
+    for step, loss in one["loss"].items():
+        assert loss == pytest.approx(full[step], rel=1e-6), step
     assert one["params"].keys() == exported.keys()
     for key, value in exported.items():
         torch.testing.assert_close(one["params"][key], value, rtol=0, atol=0)

@@ -67,6 +67,21 @@ def test_a_trial_config_applies_its_values_to_dotted_keys() -> None:
     assert trial.optim.weight_decay == cfg.optim.weight_decay  # the rest untouched
 
 
+def test_a_sweep_searches_the_adapters_rank_and_alpha_like_any_key() -> None:
+    pytest.importorskip("peft")
+    cfg = load_config(SWEEP, ["model.adapter.type=lora",
+                              "tune.space={model.adapter.r: {choice: [4, 8, 16]},"
+                              " model.adapter.alpha: {uniform: [8, 32]}}"])  # fmt: skip
+    spec = parse_sweep(cfg)
+    assert {"model.adapter.r", "model.adapter.alpha"} <= set(param_space(spec))
+    trial = trial_config(cfg.to_dict(), {"model.adapter.r": 16, "model.adapter.alpha": 20.0}, "t")
+    assert (trial.model.adapter.type, trial.model.adapter.r, trial.model.adapter.alpha) == (
+        "lora",
+        16,
+        20.0,
+    )
+
+
 def test_why_a_trial_ended_early() -> None:
     cfg = load_config(SWEEP)  # max_epochs 8
     assert _stopped(None, {"stopped_early": 1.0}, 5.0, cfg) == "early stopping"

@@ -260,6 +260,30 @@ def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank
         assert torch.equal(value, expected.float()), key
 
 
+@pytest.mark.parametrize("name", ["fsdp", "zero3"])
+def test_adapters_trained_on_one_rank_resume_on_two_on_the_one_rank_curve(
+    pretrained: Path, lora_curves: dict, tmp_path: Path, name: str
+) -> None:
+    """1 -> 2: an elastic run on one rank (accumulating what two do), resumed from its
+    step-15 checkpoint on two, goes on as the one-rank run does (within 1e-6); and the
+    one-rank run follows the two-rank one as far as fp32 sums in another order allow."""
+    from tests.helpers import train_keep_checkpoints
+
+    elastic = lora_run(pretrained, STRATEGIES[name], scaling={"num_workers": [1, 2]})
+    run_ranks(1, tmp_path, train_keep_checkpoints, elastic, str(tmp_path / "one"))
+    one = torch.load(tmp_path / "one" / "loss.pt", weights_only=True)
+    ckpt = tmp_path / "one" / "checkpoint-step00000015"
+    run_ranks(2, tmp_path, resume_watching, elastic, str(ckpt), str(tmp_path / "two.pt"))
+    two = torch.load(tmp_path / "two.pt", weights_only=True)["loss"]
+    assert sorted(two) == list(range(16, 31))
+    for step, loss in two.items():
+        assert loss == pytest.approx(one[step], rel=1e-6), (name, step)
+    # The same rows in every step; one rank sums two micro-batches' gradients where two
+    # ranks all-reduce theirs: the last bits differ, and Adam carries them on.
+    full = lora_curves[name]["loss"]
+    assert all(loss == pytest.approx(full[s], rel=1e-4) for s, loss in one.items()), name
+
+
 def test_a_resume_on_another_base_is_refused_naming_both(
     pretrained: Path, lora_curves: dict, tmp_path: Path
 ) -> None:

@@ -92,13 +92,14 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     from raylift.launch import _failure_message, _root
     from raylift.saving import Save
     from raylift.storage import StorageError, reaching, write_bytes
+    from raylift.strategies.base import written
     from tests.helpers import make_config
 
     part = tmp_path / "part"
     (part / "engine").mkdir(parents=True)
     (part / "engine" / "__0_0.distcp").write_bytes(b"shard")
     dest = "s3://gone/runs/r/checkpoint-step00000004"
-    upload = Save("checkpoint-step00000004", 4, {}, part, {}, dest, 0.0)
+    upload = Save("checkpoint-step00000004", 4, {}, part, written({}), dest, 0.0)
     upload.upload(0)  # a save's thread: the error waits for the ranks to settle
     assert isinstance(upload.error, StorageError) and not part.exists()
     assert str(upload.error).startswith(f"storage {dest}: saving checkpoint-step00000004 failed")

@@ -61,17 +61,28 @@ def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str]
             f"model.adapter.weights: {folder} has no {PEFT_CONFIG}; point it at a PEFT "
             "adapter folder (raylift export RUN --format peft writes one)"
         )
-    saved, wanted = json.loads(text), cfg.model.adapter
+    wanted = cfg.model.adapter
     with torch.device("meta"):
         model = task.build_model()
+    _check_same_adapters(folder, json.loads(text), wanted, model)
+    _check_same_base(folder, base)
+    named_as = adapter_tensors(saved_whole(model, wanted))
+    file = storage.join(folder, PEFT_WEIGHTS)
+    check(attach(model, wanted), file, named_as, "model.adapter.weights")
+
+
+def _check_same_adapters(folder: str, saved: dict[str, Any], wanted: Any, model: Any) -> None:
+    """The folder's LoraConfig against this run's ``model.adapter``: rank, alpha and the
+    layers each names (PEFT's short names or full ones, resolved on the model)."""
+    from raylift.weights import WeightsError
+
     layers = targets(model, wanted.target_modules)
     theirs = saved.get("target_modules") or []
     theirs_layers = targets(model, theirs if isinstance(theirs, list) else str(theirs))
-    if (saved.get("r"), float(saved.get("lora_alpha", 0)), sorted(theirs_layers)) != (
-        wanted.r,
-        float(wanted.alpha),
-        sorted(layers),
-    ):
+    same = (saved.get("r"), float(saved.get("lora_alpha", 0)), sorted(theirs_layers)) == (
+        wanted.r, float(wanted.alpha), sorted(layers)
+    )  # fmt: skip
+    if not same:
         raise WeightsError(
             f"model.adapter.weights: {folder} holds LoRA r={saved.get('r')} alpha="
             f"{saved.get('lora_alpha')} on {len(theirs_layers)} layers; this run's "
@@ -79,10 +90,6 @@ def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str]
             "set model.adapter as the adapters were trained, or model.adapter.weights: null "
             "to start them afresh"
         )
-    _check_same_base(folder, base)
-    named_as = adapter_tensors(saved_whole(model, wanted))
-    file = storage.join(folder, PEFT_WEIGHTS)
-    check(attach(model, wanted), file, named_as, "model.adapter.weights")
 
 
 def _check_same_base(folder: str, base: dict[str, str] | None) -> None:

@@ -176,13 +176,15 @@ def fetch_weights(
     from raylift.tasks import build_task
     from raylift.weights import check_for_config
 
-    task = build_task(cfg.task, cfg.task_args)
+    def task() -> Any:  # built only where a model is fetched and checked
+        return build_task(cfg.task, cfg.task_args)
+
     weights = _fetched("model.weights", cfg.model.weights, run_dir, WEIGHTS_DIR, tracking_uri,
-                       log, lambda tmp: check_for_config(cfg, task, tmp))  # fmt: skip
+                       log, lambda tmp: check_for_config(cfg, task(), tmp))  # fmt: skip
     model = dataclasses.replace(cfg.model, weights=weights)
     adapters = _fetched("model.adapter.weights", cfg.model.adapter.weights, run_dir,
                         ADAPTERS_DIR, tracking_uri, log,
-                        lambda tmp: _check_adapters(cfg, task, tmp, weights))  # fmt: skip
+                        lambda tmp: _check_adapters(cfg, task(), tmp, weights))  # fmt: skip
     model = dataclasses.replace(model, adapter=dataclasses.replace(model.adapter, weights=adapters))
     return dataclasses.replace(cfg, model=model)
 

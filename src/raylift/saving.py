@@ -69,8 +69,9 @@ class Save:
 
 
 class Saver:
-    """Writes a worker's checkpoints: the loop waits for the local write, a thread does
-    the rest (``background``), and the checkpoint is registered once all ranks are done."""
+    """Writes a worker's checkpoints: the loop waits for a copy of the state in host
+    memory, a thread writes and uploads it (``background``; else the loop waits for all of
+    it), and the checkpoint is registered once all ranks are done."""
 
     def __init__(self, engine: Engine, ctx: WorkerContext, background: bool):
         self.engine, self.ctx, self.background = engine, ctx, background

@@ -65,12 +65,18 @@ class InitReport:
     constructor: int = 0  # kept their constructor's value
     held_bytes: int = 0  # host memory holding constructor values while the model was built
     adapters: int = 0  # adapter matrices drawn as PEFT draws them (raylift.adapters)
+    adapters_from: str = ""  # model.adapter.weights, where they were loaded from instead
 
     def describe(self, how: str) -> str:
         counts = [(self.reset, "set by reset_parameters()")]
         counts.append((self.custom, f"set by {self.custom_name}"))
         counts.append((self.constructor, "keep their constructor's values"))
-        counts.append((self.adapters, "adapter matrices drawn as PEFT does (B zero)"))
+        drawn = (
+            f"loaded from {self.adapters_from}"
+            if self.adapters_from
+            else "drawn as PEFT does (B zero)"
+        )
+        counts.append((self.adapters, f"adapter matrices {drawn}"))
         said = ", ".join(f"{n} {what}" for n, what in counts if n)
         line = f"raylift: initial weights: {how}; parameters: {said}"
         if self.held_bytes:

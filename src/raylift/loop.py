@@ -124,6 +124,7 @@ def initial_weights(
         file = storage.join(adapters.weights, PEFT_WEIGHTS)
         named_as = adapter_tensors(saved_whole(model, adapters))
         load(model, file, write, named_as, "model.adapter.weights")
+        report.adapters_from = adapters.weights
     return report
 
 

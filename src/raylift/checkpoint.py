@@ -20,14 +20,13 @@ written costs a few percent of writing it (``benchmarks/checksum.py``).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
 import random
 import re
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -42,6 +41,7 @@ from raylift.ranged import (
     CheckpointError,
     Listed,
     VerifiedFile,
+    Window,
     block_digests,
     block_starts,
 )
@@ -110,9 +110,11 @@ def seal_checkpoint(directory: Path, items: dict[str, list[int]]) -> str:
 
 def _listed(path: Path, items: list[int] | None) -> dict[str, Any]:
     """A file's size and checksums: whole, and per block (a block starts at every item
-    the engine wrote into it and every 1 MiB within one)."""
+    the engine wrote into it, at every zip record of a ``torch.save`` one, and every 1 MiB
+    within one)."""
     size = path.stat().st_size
-    starts = block_starts(size, items if items is not None else zip_records(path))
+    with path.open("rb") as f:
+        starts = block_starts(size, record_starts(f, size, items))
     whole, blocks = block_digests(storage.read_chunks(str(path)), starts)
     entry: dict[str, Any] = {"size": size, "xxh3": whole, "blocks": blocks}
     if starts != block_starts(size):  # only where they are not every BLOCK bytes
@@ -120,13 +122,27 @@ def _listed(path: Path, items: list[int] | None) -> dict[str, Any]:
     return entry
 
 
-def zip_records(path: Path) -> list[int] | None:
-    """Where each member of a zip (a ``torch.save`` file) and its data start, or None for
-    another file: blocks that start there let a reader of one tensor, or of the small
-    pickle at the front or the directory at the end, read no other tensor's bytes."""
-    if not zipfile.is_zipfile(path):
+def record_starts(f: IO[bytes], size: int, items: list[int] | None) -> list[int] | None:
+    """Where the ``items`` an engine wrote into a file start (DCP's tensors, each one
+    ``torch.save``), or for a plain file the file itself, and within each the start of
+    each zip record and its data, and its directory: a rank that reads part of one tensor
+    reads only the blocks of its header, its directory and that part."""
+    bounds = sorted(items) if items is not None else [0]
+    starts: list[int] = []
+    for a, b in zip(bounds, [*bounds[1:], size], strict=True):
+        within = zip_records(cast(IO[bytes], Window(f, a, b - a)))
+        if within is None and items is None:
+            return None  # not a torch.save file: blocks of BLOCK bytes
+        starts += [a, *(a + s for s in within or ())]
+    return starts
+
+
+def zip_records(f: IO[bytes]) -> list[int] | None:
+    """Where each member of a zip (a ``torch.save`` file) and its data start, and its
+    directory, or None for another file."""
+    if not zipfile.is_zipfile(f):
         return None
-    with zipfile.ZipFile(path) as archive, path.open("rb") as f:
+    with zipfile.ZipFile(f) as archive:
         infos = archive.infolist()
         directory = int(getattr(archive, "start_dir", 0))  # where the zip's directory starts
         starts = [i.header_offset for i in infos]
@@ -134,7 +150,7 @@ def zip_records(path: Path) -> list[int] | None:
             f.seek(info.header_offset)
             try:
                 starts.append(data_start(info, f.read(LOCAL_HEADER.size)))
-            except ValueError:  # compressed: not torch.save's; blocks of BLOCK bytes
+            except ValueError:  # compressed: not torch.save's
                 return None
     return [*starts, directory]
 
@@ -427,33 +443,6 @@ class CheckpointReader:
     def loop_state(self) -> dict[str, Any]:
         with self.open(LOOP_FILE) as f:
             return _loop_state(self.directory, f)
-
-    @contextlib.contextmanager
-    def local(self, names: list[str]) -> Iterator[Path]:
-        """A folder on this machine holding ``names``, for loaders that open paths (DeepSpeed):
-        a local checkpoint itself, read through once to check it; else those files alone,
-        checked as they are copied into a temporary folder, removed after."""
-        here = storage.local_path(self.directory)
-        with contextlib.ExitStack() as stack:
-            folder = here or Path(stack.enter_context(storage.scratch("copy")))
-            problem = None
-            try:
-                for name in names:
-                    self._copy(name, None if here else folder / name)
-            except CheckpointError as exc:
-                problem = str(exc)
-            self.agree(problem)
-            yield folder
-
-    def _copy(self, name: str, to: Path | None) -> None:
-        with self.open(name) as f, contextlib.ExitStack() as stack:
-            out = None
-            if to is not None:
-                to.parent.mkdir(parents=True, exist_ok=True)
-                out = stack.enter_context(to.open("wb"))
-            while chunk := f.read(storage.CHUNK):
-                if out is not None:
-                    out.write(chunk)
 
 
 def load_checkpoint(

@@ -18,13 +18,17 @@ import bisect
 import contextlib
 import dataclasses
 import io
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, Any, Protocol
 
 BLOCK = 1 << 20  # the most bytes one recorded checksum covers
-CACHED_BLOCKS = 4  # the blocks a file keeps after a read: a zip's header sits beside its data
+CACHE_BYTES = (
+    4 << 20
+)  # what a file keeps of the blocks it read: a zip's header sits beside its data
+SMALL_BLOCK = 64 << 10  # a block this small (a zip record's header, its directory) ...
+READ_AHEAD = 256 << 10  # ... is fetched with the read before it, up to this many bytes
 
 
 class CheckpointError(RuntimeError):
@@ -100,8 +104,8 @@ class Files(Protocol):
         """The files below the folder ``under``, as names relative to the checkpoint."""
         ...
 
-    def local(self, names: list[str]) -> contextlib.AbstractContextManager[Path]:
-        """A folder on this machine holding ``names`` (checked), for loaders that open paths."""
+    def agree(self, problem: str | None) -> None:
+        """Collective: every rank raises the first problem any rank found (None: none)."""
         ...
 
     def load_each(self, names: list[str], load: Callable[[IO[bytes]], Any]) -> dict[str, Any]:
@@ -166,22 +170,36 @@ class VerifiedFile(io.RawIOBase):
         one ranged read, checked block by block."""
         wanted = range(first, last + 1)
         got: dict[int, bytes] = {i: self._cache[i] for i in wanted if i in self._cache}
+        fetch_to = self._small_after(last) if last not in got else last
         i = first
-        while i <= last:
+        while i <= fetch_to:
             if i in got:
                 i += 1
                 continue
             end = i
-            while end + 1 <= last and end + 1 not in got:
+            while end + 1 <= fetch_to and end + 1 not in got:
                 end += 1
             got.update(self._fetch(i, end))
             i = end + 1
-        for j in range(max(first, last - CACHED_BLOCKS + 1), last + 1):
+        for j in range(first, fetch_to + 1):
             self._cache[j] = got[j]
             self._cache.move_to_end(j)
-        while len(self._cache) > CACHED_BLOCKS:
-            self._cache.popitem(last=False)
+        held = sum(len(b) for b in self._cache.values())
+        while held > CACHE_BYTES and len(self._cache) > 1:  # the oldest go first
+            held -= len(self._cache.popitem(last=False)[1])
         return [got[j] for j in wanted]
+
+    def _small_after(self, last: int) -> int:
+        """``last``, or the last of the small blocks right after it (a zip's records and
+        directory, the next item's header): fetched with it, one request, not one each."""
+        listed, extra = self.listed, 0
+        while last + 1 < len(listed.starts) and last + 1 not in self._cache:
+            size = listed.end(last + 1) - listed.starts[last + 1]
+            if size > SMALL_BLOCK or extra + size > READ_AHEAD:
+                break
+            extra += size
+            last += 1
+        return last
 
     def _fetch(self, first: int, last: int) -> dict[int, bytes]:
         import xxhash
@@ -242,12 +260,96 @@ def dcp_reader(files: Files, folder: str) -> Any:
             self.path = folder
 
         def read_data(self, plan: Any, planner: Any) -> Any:
+            from torch.futures import Future
+
+            if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
+                return super().read_data(plan, planner)  # compressed items: read whole
+
             # In file order: each block is fetched once, the next item's start from the cache.
             def where(item: Any) -> tuple[str, int]:
                 info = self.storage_data[item.storage_index]
                 return info.relative_path, info.offset
 
-            ordered = dataclasses.replace(plan, items=sorted(plan.items, key=where))
-            return super().read_data(ordered, planner)
+            for path, items in itertools.groupby(
+                sorted(plan.items, key=where), key=lambda i: where(i)[0]
+            ):
+                with self.fs.create_stream(self.fs.concat_path(self.path, path), "rb") as stream:
+                    for item in items:
+                        self._read_item(stream, item, planner)
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+
+        def _read_item(self, stream: Any, item: Any, planner: Any) -> None:
+            from torch.distributed.checkpoint.planner import LoadItemType
+
+            info = self.storage_data[item.storage_index]
+            saved = Window(stream, info.offset, info.length)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(saved.read()))
+                return
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(part_of_saved_tensor(saved, item.storage_offsets, item.lengths))
+            planner.commit_tensor(item, target)
 
     return RangedDCPReader()
+
+
+def part_of_saved_tensor(view: Any, offsets: Any, lengths: Any) -> Any:
+    """The block ``offsets`` + ``lengths`` of the tensor DCP saved in ``view`` (one
+    ``torch.save`` file), reading only its rows along the first dimension, where a sharded
+    model cuts: a rank restoring half of a weight saved whole reads that half."""
+    import torch
+
+    from raylift.lazytorch import LazyTensor, load_lazy
+
+    saved = load_lazy(view)
+    if not isinstance(saved, LazyTensor) or not saved.contiguous or not saved.shape:
+        view.seek(0)
+        whole = torch.load(view, map_location="cpu", weights_only=True)
+        return narrow(whole, offsets, lengths)
+    row = saved.shape[1:].numel()
+    rows = saved.read(offsets[0] * row, lengths[0] * row).view(lengths[0], *saved.shape[1:])
+    return narrow(rows, [0, *offsets[1:]], lengths)
+
+
+def narrow(tensor: Any, offsets: Any, lengths: Any) -> Any:
+    for dim, (first, count) in enumerate(zip(offsets, lengths, strict=True)):
+        if first or count != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, first, count)
+    return tensor
+
+
+class Window(io.RawIOBase):
+    """Bytes ``start .. start + length`` of ``f`` as a file of their own. (DCP's own view
+    of an item seeks from the end the wrong way, which a zip reader does.)"""
+
+    def __init__(self, f: IO[bytes], start: int, length: int):
+        super().__init__()
+        self.f, self.start, self.length, self.at = f, start, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.at, io.SEEK_END: self.length}[whence]
+        self.at = min(max(base + offset, 0), self.length)
+        return self.at
+
+    def tell(self) -> int:
+        return self.at
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self.length - self.at)
+        if n <= 0:
+            return 0
+        self.f.seek(self.start + self.at)
+        data = b""
+        while len(data) < n and (more := self.f.read(n - len(data))):
+            data += more  # a raw file may return less than asked (up to a block's end)
+        b[: len(data)] = data
+        self.at += len(data)
+        return len(data)

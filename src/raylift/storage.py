@@ -3,7 +3,8 @@
 Every read, write and listing goes through a pyarrow filesystem, the same code for a
 local folder (an NFS mount included) and an object store: a URI is never a second
 class path. Paths are strings throughout; a URI keeps its scheme in everything raylift
-prints. Only the engines' own loaders need files on this machine: :func:`local_copy`.
+prints. Checkpoints are read in ranges where they are (:mod:`raylift.checkpoint`); only a
+weights folder in an object store is fetched whole (:func:`local_copy`).
 """
 
 from __future__ import annotations
@@ -282,7 +283,7 @@ def delete_dir_if_empty(path: str) -> None:
 
 # Every prefix of the temporary folders raylift fills with model-sized data, whatever its
 # version: a killed process (SIGKILL, the OOM killer) leaves its own behind.
-SCRATCH = ("ckpt", "copy", "ds-universal", "ds", "weights", "model", "artifact")
+SCRATCH = ("ckpt", "copy", "ds-universal", "ds-names", "ds", "weights", "model", "artifact")
 UNNAMED_STALE_S = 24 * 3600  # a left folder of a naming with no pid in it, untouched this long
 
 
@@ -327,7 +328,7 @@ def sweep_scratch(root: Path | None = None) -> tuple[list[Path], int]:
 
 
 def _left(name: str, folder: Path) -> bool:
-    # Longest first: "ds-universal" is not "ds" followed by a pid.
+    # Longest first: "ds-names" is not "ds" followed by a pid.
     kind = next(
         (k for k in sorted(SCRATCH, key=len, reverse=True) if name.startswith(f"raylift-{k}-")),
         None,

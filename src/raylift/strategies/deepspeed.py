@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
+import functools
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from torch import nn
 from raylift import storage
 from raylift.config import AUTO, Config, merge
 from raylift.init import Initializer, write_in_place, write_zero3
-from raylift.lazytorch import LazyTensor, concat_range, load_lazy
+from raylift.lazytorch import load_lazy
 from raylift.optim import build_optimizer
 from raylift.precision import PRECISIONS, Precision
 from raylift.ranged import Files
@@ -42,6 +42,15 @@ from raylift.strategies.base import (
     written,
 )
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.zero_layout import (
+    FP32,
+    Located,
+    fed,
+    locate,
+    saved_step,
+    share,
+    write_settings,
+)
 from raylift.streaming import LazyModel, Spec, saved_model
 
 TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
@@ -525,13 +534,42 @@ class DeepSpeedEngine:
             mine = [n for n in names if n.endswith(".pt") and _partition_of(n) in (None, rank)]
             self._load_read(files, mine)
             return
-        # ZeRO partitions are laid out for `saved` ranks: reshard through DeepSpeed's
-        # universal format, which reads them all. Each rank converts its own copy (no
-        # shared file system needed).
-        with files.local(names) as root, storage.scratch("ds-universal") as tmp:
-            universal = Path(tmp)
-            to_universal(root / ENGINE_DIR, universal)
-            self._load(universal, universal_format=True)
+        self._load_resharded(files, names)
+
+    def _load_resharded(self, files: Files, names: list[str]) -> None:
+        """ZeRO partitions laid out for another world size: DeepSpeed's universal load,
+        fed this rank's share of each weight's master copy and moments, read by range from
+        the saved partitions and checked before DeepSpeed starts (zero_layout)."""
+        from raylift.checkpoint import CheckpointError
+
+        # The model states DeepSpeed's universal load opens: the shared file, or rank 0's.
+        shared = [n for n in names if n.endswith("model_states.pt") and not _partition_of(n)]
+        loaded = files.load_each(shared, _load_any)
+        stage = self.ds.zero_optimization_stage()
+        optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=_rank_order)
+        got, problem = {}, None
+        try:
+            parts = [
+                load_lazy(cast(IO[bytes], files.open(n)))["optimizer_state_dict"] for n in optim
+            ]
+            saved = locate(loaded[min(shared, key=_rank_order)], parts)
+            got = share(self.ds.optimizer, stage, saved)
+            step = saved_step(parts)
+        except CheckpointError as exc:
+            problem = str(exc)
+        files.agree(problem)
+        with storage.scratch("ds-names") as tmp:
+            root = Path(tmp)
+            for name in shared:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                (root / name).touch()
+            write_settings(root / ENGINE_DIR / TAG, parts)
+            self.files.loaded = {str(root / n): obj for n, obj in loaded.items()}
+            try:
+                with fed(self.ds.optimizer, stage, got, step):
+                    self._load(root / ENGINE_DIR, universal_format=True)
+            finally:
+                self.files.loaded = {}
 
     def _load_read(self, files: Files, names: list[str]) -> None:
         """DeepSpeed's load, its files read once, straight from the checkpoint: each is
@@ -601,29 +639,6 @@ def _partition_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def to_universal(folder: Path, out: Path) -> None:
-    """DeepSpeed's universal checkpoint of ``folder/TAG`` in ``out/TAG``, loadable at any size."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    args = argparse.Namespace(
-        input_folder=str(folder / TAG),
-        output_folder=str(out / TAG),
-        num_extract_workers=1,  # in-process: a worker must not fork pools of its own
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        inject_missing_state=True,  # plain (non-Megatron) models carry no universal info
-    )
-    try:
-        ds_to_universal.main(args)
-    except Exception as exc:
-        raise checkpoint_error(
-            f"{folder}: converting the DeepSpeed checkpoint written by "
-            f"{saved_world_size(folder)} ranks for {dist.get_world_size()} ranks failed "
-            f"({type(exc).__name__}: {exc}); resume with the world size it was written at"
-        ) from exc
-
-
 def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """A full fp32 ``state_dict`` for the plain model, from a checkpoint folder (or its
     ``engine/`` folder) written by this engine; tied weights under every name."""
@@ -688,42 +703,15 @@ def _frozen(states: list[dict[str, Any]]) -> list[Entry]:
 
 
 def _trainable(state: dict[str, Any], parts: list[dict[str, Any]]) -> list[Entry]:
-    """The trained weights out of each rank's fp32 partition, as DeepSpeed lays them out
-    (its ``zero_to_fp32``): ZeRO-1/2 cut each group's flat vector into one piece per
-    rank; ZeRO-3 cuts each weight into one padded piece per rank, end to end per rank."""
-    world, stage = len(parts), parts[0]["zero_stage"]
-    shapes: list[dict[str, torch.Size]] = state["param_shapes"]
-    entries: list[Entry] = []
-    if stage <= 2:
-        paddings = parts[0].get("param_alignment_paddings")
-        for g, group in enumerate(shapes):
-            flat = [p["single_partition_of_fp32_groups"][g] for p in parts]
-            offset = 0
-            for i, (name, shape) in enumerate(group.items()):
-                entries.append(_entry(name, shape, torch.float32, _piece(flat, offset, shape)))
-                offset += shape.numel() + (paddings[g][i] if paddings else 0)
-        return entries
-    ranks = [p["fp32_flat_groups"] for p in parts]
-    offset = 0
-    for name, shape in ((n, s) for group in shapes for n, s in group.items()):
-        each = math.ceil(shape.numel() / world)
-        entries.append(_entry(name, shape, torch.float32, _pieces(ranks, offset, each, shape)))
-        offset += each
-    return entries
+    """The trained weights out of each rank's fp32 partition (zero_layout)."""
+    return [
+        _entry(name, where.shape, torch.float32, functools.partial(_whole, where))
+        for name, where in locate(state, parts).items()
+    ]
 
 
-def _piece(flat: list[LazyTensor], offset: int, shape: torch.Size) -> Callable[[], torch.Tensor]:
-    return lambda: concat_range(flat, offset, shape.numel()).view(shape)
-
-
-def _pieces(
-    ranks: list[list[LazyTensor]], offset: int, each: int, shape: torch.Size
-) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
-        whole = torch.cat([concat_range(groups, offset, each) for groups in ranks])
-        return whole[: shape.numel()].view(shape)
-
-    return read
+def _whole(where: Located) -> torch.Tensor:
+    return where.read(FP32).view(where.shape)
 
 
 # ---------------------------------------------------------------- byte counting

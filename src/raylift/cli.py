@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep = verbs.add_parser("prep", help="preprocess once with Ray Data into parquet shards")
     _config_args(prep)
     prep.add_argument("--force", action="store_true", help="prepare again, replacing the shards")
+    prep.add_argument(
+        "--show", type=int, default=0, metavar="N",
+        help="print N training examples as the model gets them, the trained tokens set apart",
+    )  # fmt: skip
+    prep.add_argument("--json", action="store_true", help="with --show: one JSON object each")
     plan = verbs.add_parser("plan", help="memory per worker for each strategy; auto's choice")
     _config_args(plan)
     plan.add_argument("--gpus", type=int, required=True, help="world size (workers)")
@@ -265,6 +270,35 @@ def cmd_prep(args: argparse.Namespace) -> int:
         print(f"raylift: {root} is already prepared for this task ({rows}); nothing to do")
     else:
         print(f"raylift: prepared {root} in {result.seconds:.1f} s: {rows}")
+    return show_examples(task, m, args.show, args.json) if args.show else EXIT_OK
+
+
+def show_examples(task: Any, manifest: Any, n: int, as_json: bool) -> int:
+    """``prep --show N``: the first N training examples of the shards, token by token,
+    which tokens carry loss set apart (``--json``: one object per example)."""
+    import json
+
+    from raylift.data.shards import head
+    from raylift.tasks.chat import shown, unpacked
+
+    tokenizer = getattr(task, "tokenizer", None)
+    columns = head(manifest, "train", n * 64)  # a window holds one example or more
+    if tokenizer is None or "labels" not in columns:
+        print("raylift: --show needs a task whose rows are examples with a loss mask "
+              f"(hf-sft); task {task.__class__.__name__} has none", file=sys.stderr)  # fmt: skip
+        return EXIT_BAD_INPUT
+    colour = sys.stdout.isatty() and not as_json
+    for ids, trained in unpacked(columns, n):
+        pieces = [
+            tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            for t in ids
+        ]
+        if as_json:
+            print(json.dumps({"tokens": pieces, "trained": trained}, ensure_ascii=False))
+        else:
+            print(
+                f"--- {sum(trained)} of {len(ids)} tokens trained\n{shown(pieces, trained, colour)}"
+            )
     return EXIT_OK
 
 

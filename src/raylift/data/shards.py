@@ -343,7 +343,7 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
     both = sources["train"]
     if isinstance(both, RowSplit):
-        _check_skipped(task, root, SPLITS, *_write_row_split(task, both, root, budget, log), log)
+        _write_row_split(task, both, root, budget, log)
         return list(SPLITS)
     counted = {s: _write_split(task, sources[s], s, root, cpus, budget, log) for s in SPLITS}
     for split in SPLITS:
@@ -361,15 +361,15 @@ def _write_split(
     return _write(ds, join(root, split), f"split {split!r}", expected, log)
 
 
-def _write_row_split(
-    task: Task, source: RowSplit, root: str, budget: float, log: Any
-) -> tuple[int, list[str]]:
+def _write_row_split(task: Task, source: RowSplit, root: str, budget: float, log: Any) -> None:
     """Both splits in one pass over the data, shuffled as a train split is: each
     preprocess call parts its rows by the key's hash and preprocesses each part alone (no
     train row is made of val data); the write files each row under the split it carries."""
     batch = getattr(task, "preprocess_batch_size", PREPROCESS_BATCH)
     ds = _shuffled_dataset(task, source.dataset, batch, budget, log, source)
     counted = _write(ds, root, "splits 'train' and 'val'", estimated_bytes(source), log, True)
+    # Bad rows first: where most were bad, that is why a split came out empty.
+    _check_skipped(task, root, SPLITS, *counted, log)
     for split in SPLITS:
         if not _parquet_files(join(root, split)):
             raise SourceError(
@@ -378,7 +378,6 @@ def _write_row_split(
                 f"{source.key!r}, and it has too few rows for that (or too little text for "
                 "one window of the split); add data or change val_percent"
             )
-    return counted
 
 
 def _write(
@@ -422,8 +421,10 @@ def _check_skipped(
     import pyarrow.parquet as pq
 
     fs, _ = filesystem(root)
+    # A task whose rows pack several examples names the column that counts them.
+    column = getattr(task, "examples_column", None)
     kept = sum(
-        pq.ParquetFile(fs.open_input_file(i.path)).metadata.num_rows
+        _kept(pq.ParquetFile(fs.open_input_file(i.path)), column)
         for split in splits
         for i in _parquet_files(join(root, split))
     )
@@ -441,6 +442,12 @@ def _check_skipped(
     log(
         f"raylift: warning: prep skipped {bad} unreadable row(s) of {label} ({share:.2%}): " + named
     )
+
+
+def _kept(shard: Any, column: str | None) -> int:
+    if column is None:
+        return int(shard.metadata.num_rows)
+    return int(shard.read(columns=[column]).column(0).to_numpy().sum())
 
 
 def _selector(base: str) -> Any:
@@ -698,3 +705,23 @@ def cache_in_object_store(manifest: Manifest, log: Any = print) -> dict[str, lis
     }
     log(f"raylift: data.cache: {need / 2**20:.1f} MiB of data held in Ray's object store")
     return refs
+
+
+def head(manifest: Manifest, split: str, rows: int) -> Columns:
+    """The first ``rows`` rows of a split's shards (fewer where it has fewer), as numpy
+    columns: read a row group at a time, from the first file on."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import ray.data  # noqa: F401  registers Ray's tensor column type with pyarrow
+
+    from raylift.data.ingest import table_to_numpy
+
+    tables: list[Any] = []
+    for shard in manifest.splits.get(split, ()):
+        fs, path = filesystem(join(manifest.root, shard.path))
+        reader = pq.ParquetFile(fs.open_input_file(path))
+        for group in range(reader.num_row_groups):
+            tables.append(reader.read_row_group(group))
+            if sum(len(t) for t in tables) >= rows:
+                return table_to_numpy(pa.concat_tables(tables).slice(0, rows))
+    return table_to_numpy(pa.concat_tables(tables)) if tables else {}

@@ -12,6 +12,7 @@ BUILTINS = {
     "digits": "raylift.tasks.digits:DigitsTask",
     "gpt": "raylift.tasks.gpt:GPTTask",
     "hf-causal-lm": "raylift.tasks.hf:HFCausalLM",
+    "hf-sft": "raylift.tasks.sft:HFSFT",
     "images": "raylift.tasks.images:ImagesTask",
 }
 

@@ -123,8 +123,9 @@ def list_corpus(spec: str) -> tuple[str, list[str]]:
     return root, [i.path for i in infos]
 
 
-def corpus_infos(spec: str) -> tuple[str, list[Any]]:
-    """``list_corpus`` with each file's pyarrow ``FileInfo`` (size, mtime): one listing."""
+def corpus_infos(spec: str, key: str = "task_args.corpus") -> tuple[str, list[Any]]:
+    """``list_corpus`` with each file's pyarrow ``FileInfo`` (size, mtime): one listing.
+    ``key``: the config key that named ``spec``, for the error."""
     import pyarrow.fs as pafs
 
     fs, path = filesystem(spec)
@@ -132,7 +133,7 @@ def corpus_infos(spec: str) -> tuple[str, list[Any]]:
     root = path[: min(wild)].rsplit("/", 1)[0] if wild else path
     info = fs.get_file_info(root)
     if info.type == pafs.FileType.NotFound:
-        raise SourceError(f"task_args.corpus: {spec} does not exist")
+        raise SourceError(f"{key}: {spec} does not exist")
     if info.type == pafs.FileType.File:
         return root.rsplit("/", 1)[0], [info]
     listed = fs.get_file_info(pafs.FileSelector(root, recursive=True))

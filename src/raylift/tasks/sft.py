@@ -1,0 +1,252 @@
+"""Supervised fine-tuning on instructions and conversations (``task: hf-sft``).
+
+``task_args.model`` is a local Hugging Face folder with its tokenizer, as for
+``hf-causal-lm``. ``task_args.data`` (a JSONL, JSON or parquet file, a folder or glob of
+them, local or a URI) holds one example a row in a format ``task_args.format`` names or
+``auto`` finds from each row's keys (:mod:`raylift.tasks.chat`). Prep renders each with
+the chat template (the tokenizer's, or ``task_args.chat_template``, a Jinja string or
+file), marks the tokens that carry loss (``task_args.train_on``), and packs whole examples
+into ``block_size`` windows whose position ids restart at every example; the model's
+attention then keeps examples apart (Hugging Face models build a block-diagonal mask, or
+use varlen attention, from position ids that restart). Rows that are not examples are
+counted and named by file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from raylift.data.sources import ERROR_COLUMN, RowSplit, Source, SourceError, files_version
+from raylift.storage import filesystem
+from raylift.tasks.base import Batch, Columns
+from raylift.tasks.chat import (
+    FORMATS,
+    IGNORE,
+    Encoded,
+    Renderer,
+    RowError,
+    conversation,
+    detect_format,
+    pack,
+)
+from raylift.tasks.gpt import corpus_infos
+from raylift.tasks.hf import HFCausalLM, tokenizer_digest
+
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+COLUMNS = ("input_ids", "labels", "position_ids", "example")
+
+
+class HFSFT(HFCausalLM):
+    """Next-token prediction on the trained tokens of chat and instruction examples."""
+
+    # Examples per ``preprocess`` call: the windows are packed from these.
+    preprocess_batch_size = 512
+    examples_column = "examples"  # a window holds several: the share is of examples
+
+    def __init__(
+        self,
+        model: str = "",
+        data: str = "",
+        format: str = "auto",
+        chat_template: str | None = None,
+        train_on: str = "assistant",
+        packing: bool = True,
+        long: str = "truncate",
+        block_size: int = 512,
+        val_percent: int = 5,
+        val_data: str | None = None,
+        max_bad_fraction: float = 0.5,
+    ):
+        super().__init__(model=model, block_size=block_size, val_percent=val_percent)
+        if self.tokenizer is None:
+            raise ValueError(f"task_args.model: {model} has no tokenizer; hf-sft needs one")
+        if format != "auto" and format not in FORMATS:
+            raise ValueError(
+                f"task_args.format: {format!r} is not one of auto, {', '.join(FORMATS)}"
+            )
+        if long not in ("truncate", "drop"):
+            raise ValueError(f"task_args.long: {long!r} is not truncate or drop")
+        if not data:
+            raise ValueError(
+                "task_args.data: the examples' file or folder (JSONL, JSON or parquet)"
+            )
+        self.data, self.val_data, self.format = data, val_data, format
+        if not 0 <= max_bad_fraction < 1:
+            raise ValueError("task_args.max_bad_fraction: must be in [0, 1)")
+        if packing:
+            check_packed_attention()
+        self.packing, self.long, self.max_bad_fraction = packing, long, max_bad_fraction
+        self.renderer = Renderer(self.tokenizer, read_template(chat_template), train_on)
+        self.tokens_per_sample = block_size
+
+    # ------------------------------------------------------------ data
+
+    def data_version(self) -> str:
+        """The data files and the tokenizer as ``hf-causal-lm`` counts them, and what turns
+        rows into tokens: the template, the format, the mask and the packing."""
+        files = files_version(self._files(self.data)[1])
+        val = (
+            files_version(self._files(self.val_data, "task_args.val_data")[1])
+            if self.val_data
+            else "-"
+        )
+        how = json.dumps([self.renderer.template, self.format, self.renderer.train_on,
+                          self.packing, self.long, self.block_size])  # fmt: skip
+        return f"{files} {val} tokenizer {tokenizer_digest(Path(str(self.folder)))} {how}"
+
+    def _files(self, spec: str, key: str = "task_args.data") -> tuple[str, list[Any]]:
+        root, infos = corpus_infos(spec, key)
+        found = [i for i in infos if Path(i.path).suffix.lower() in DATA_SUFFIXES]
+        if not found:
+            raise SourceError(f"{key}: no .jsonl, .json or .parquet file in {spec}")
+        return root, found
+
+    def sources(self) -> dict[str, Source]:
+        train = examples(self.data, [i.path for i in self._files(self.data)[1]])
+        if self.val_data:
+            return {
+                "train": train,
+                "val": examples(
+                    self.val_data,
+                    [i.path for i in self._files(self.val_data, "task_args.val_data")[1]],
+                ),
+            }
+        split = RowSplit(train, "record", self.val_percent, f"task_args.data {self.data}")
+        return {"train": split, "val": split}
+
+    def preprocess(self, batch: Columns) -> Columns:
+        encoded, errors = [], []
+        for where, record in zip(batch["where"], batch["record"], strict=True):
+            try:
+                encoded.append(self.encode(json.loads(record)))
+            except (RowError, json.JSONDecodeError) as exc:
+                errors.append(f"{where}: {exc}")
+        packed = pack(encoded, self.block_size, self.long, self.packing)
+        cols = packed.columns()
+        cols[ERROR_COLUMN] = np.full(len(packed.input_ids), "", dtype=object)
+        if errors:  # rows of their own, dropped and counted by prep
+            bad = {
+                k: np.zeros((len(errors), *v.shape[1:]), v.dtype)
+                for k, v in cols.items()
+                if k != ERROR_COLUMN
+            }
+            cols = {k: np.concatenate([v, bad[k]]) if k in bad else v for k, v in cols.items()}
+            cols[ERROR_COLUMN] = np.concatenate(
+                [cols[ERROR_COLUMN], np.array(errors, dtype=object)]
+            )
+        return cols
+
+    def encode(self, row: Any) -> Encoded:
+        """One row's tokens and their loss mask."""
+        if not isinstance(row, dict):
+            raise RowError(f"not a JSON object: {str(row)[:80]}")
+        fmt = detect_format(row) if self.format == "auto" else self.format
+        turns = conversation(row, fmt)
+        if fmt == "text":
+            return self.renderer.encode_text(turns[0]["content"])
+        return self.renderer.encode(turns)
+
+    # ------------------------------------------------------------ steps
+
+    def finish(self, batch: Batch, dtype: torch.dtype) -> Batch:
+        return {k: batch[k].long() for k in COLUMNS}
+
+    def logits(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        # No attention mask: the model finds each example from its restarting position
+        # ids and keeps it apart (transformers' packed-sequence masks).
+        out = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        )
+        return out.logits
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self.criterion(self.logits(model, batch), batch)
+
+    def criterion(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Mean over the trained tokens: masked ones neither add to it nor count (a batch
+        with none gives 0, not NaN, and no host sync to find out)."""
+        labels = batch["labels"].flatten()
+        total = F.cross_entropy(
+            logits.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="sum"
+        )
+        return total / (labels != IGNORE).sum().clamp(min=1)
+
+    def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
+        labels = batch["labels"].flatten()
+        logits = self.logits(model, batch).float().flatten(0, 1)
+        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+        return {"loss_sum": loss_sum, "count": (labels != IGNORE).sum()}
+
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
+        loss = sums["loss_sum"] / max(sums["count"], 1.0)
+        return {"val_loss": loss, "val_ppl": float(np.exp(min(loss, 50.0)))}
+
+
+def check_packed_attention() -> None:
+    """Packing keeps examples apart through the model's attention: transformers builds
+    the mask from restarting position ids since 4.54 (``find_packed_sequence_indices``).
+    An older one would let packed examples attend to each other: refused."""
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            f"task_args.packing: transformers {transformers.__version__} does not keep packed "
+            "examples apart (4.54 or newer does); upgrade it, or set task_args.packing: false"
+        ) from None
+
+
+def read_template(spec: str | None) -> str | None:
+    """``task_args.chat_template``: a Jinja string, or a file holding one."""
+    if not spec or "{" in spec:
+        return spec
+    fs, path = filesystem(spec)
+    try:
+        with fs.open_input_stream(path) as f:
+            return bytes(f.read()).decode()
+    except OSError as exc:
+        raise ValueError(
+            f"task_args.chat_template: {spec} is neither a Jinja template nor a file ({exc})"
+        ) from None
+
+
+def examples(spec: str, files: list[str]) -> Any:
+    """The examples of ``files`` as a Dataset of rows {where (file and line), record (its
+    JSON)}: each file read whole by one task, so that a bad row is named by its line."""
+    import ray.data
+
+    fs, _ = filesystem(spec)
+    return ray.data.read_binary_files(files, filesystem=fs, include_paths=True).flat_map(_records)
+
+
+def _records(row: dict[str, Any]) -> list[dict[str, Any]]:
+    path, data = row["path"], row["bytes"]
+    if path.endswith(".parquet"):
+        import io
+
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(io.BytesIO(data)).to_pylist()
+        return [_row(f"{path} row {i}", json.dumps(r, default=str)) for i, r in enumerate(rows, 1)]
+    text = data.decode("utf-8", errors="replace")
+    if path.endswith(".json"):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return [_row(f"{path}:{exc.lineno}", text[:200])]
+        items = items if isinstance(items, list) else [items]
+        return [_row(f"{path} item {i}", json.dumps(r)) for i, r in enumerate(items, 1)]
+    lines = enumerate(text.splitlines(), 1)
+    return [_row(f"{path}:{i}", line) for i, line in lines if line.strip()]
+
+
+def _row(where: str, record: str) -> dict[str, Any]:
+    return {"where": where, "record": record}

@@ -1,0 +1,65 @@
+"""`raylift prep` of a chat file for hf-sft on the session's Ray: packed windows, bad rows
+named by file and line, `--show` and `--show --json` printing what the loss sees, and a
+file of mostly bad rows stopping prep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raylift.cli import main as cli_main
+from raylift.data.shards import open_shards
+from tests.chats import model_folder, write_chats
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.integration
+
+
+def sft_config(tmp_path: Path, data: Path) -> list[str]:
+    (tmp_path / "sft.yaml").write_text(
+        f"task: hf-sft\ntask_args: {{model: {tmp_path / 'model'}, data: {data}, "
+        "block_size: 256}\ndata: {batch_size: 4}\n"
+    )
+    return [str(tmp_path / "sft.yaml"), f"data.shards={tmp_path / data.stem}"]
+
+
+def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
+    ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tmp_path = in_tmp
+    model_folder(tmp_path / "model")
+    data = tmp_path / "chats.jsonl"
+    write_chats(data, 300)
+    with data.open("a") as f:  # lines 301 and 302
+        f.write('{"messages": [{"role": "user", "content": "Repeat: a b c"}]}\n{oops\n')
+    args = sft_config(tmp_path, data)
+    assert cli_main(["prep", *args, "--show", "3"]) == 0
+    out = capsys.readouterr().out
+    print(out)  # for the record: what --show prints
+    assert "skipped 2 unreadable row(s)" in out, out
+    assert f"{data}:301: no assistant turn" in out and f"{data}:302: " in out, out
+    shown = out.split("--- ")[1:]  # each example after its "--- N of M tokens trained"
+    assert len(shown) == 3, out
+    for example in shown:  # the answer and its end of turn, nothing else, set apart
+        words = example.split("Repeat: ")[1].split("<|im_end|>")[0]
+        assert example.count("[[") == 1 and f"[[{words}<|im_end|>]]" in example, example
+    manifest = open_shards(str(tmp_path / "chats"), None)
+    assert 0 < manifest.rows("train") < 300 // 3  # several examples a window
+    assert cli_main(["prep", *args, "--show", "2", "--json"]) == 0  # prepared: read back
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert len(lines) == 2
+    for example in lines:
+        pairs = zip(example["tokens"], example["trained"], strict=True)
+        trained = "".join(token for token, on in pairs if on)
+        assert trained.endswith("<|im_end|>") and "Repeat" not in trained, example
+    # Most rows bad: prep stops, naming them, and writes nothing.
+    bad = tmp_path / "bad.jsonl"
+    rows = [f'{{"prompt": "x{i}", "completion": null}}' for i in range(8)]
+    rows += data.read_text().splitlines()[:2]
+    bad.write_text("\n".join(rows) + "\n")
+    assert cli_main(["prep", *sft_config(tmp_path, bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:1: no 'completion'" in err and "max_bad_fraction" in err, err
+    assert not (tmp_path / "bad").exists()

@@ -659,7 +659,18 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     problems += override_problems
     if problems:
         raise ConfigError(problems)
-    return config_from_dict(merge(raw, tree))
+    merged = merge(raw, tree)
+    if isinstance(merged.get("task_args"), dict):
+        merged["task_args"] = {k: _local_path(v) for k, v in merged["task_args"].items()}
+    return config_from_dict(merged)
+
+
+def _local_path(value: Any) -> Any:
+    """A task argument naming a file or folder relative to where the command runs, made
+    absolute: the workers run elsewhere (a task's model folder, its data)."""
+    if not isinstance(value, str) or not value or "://" in value or os.path.isabs(value):
+        return value
+    return str(Path(value).resolve()) if Path(value).exists() else value
 
 
 def dump_config(cfg: Config) -> str:

@@ -38,6 +38,7 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
     assert cli_main(["prep", *args, "--show", "3"]) == 0
     out = capsys.readouterr().out
     print(out)  # for the record: what --show prints
+    assert "raylift: hf-sft: task_args.format auto: messages (the first row's keys" in out, out
     assert "skipped 2 unreadable row(s)" in out, out
     assert f"{data}:301: no assistant turn" in out and f"{data}:302: " in out, out
     shown = out.split("--- ")[1:]  # each example after its "--- N of M tokens trained"

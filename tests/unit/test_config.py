@@ -161,3 +161,19 @@ def test_a_config_error_keeps_its_problems_when_rebuilt_as_ray_rebuilds_it() -> 
     error = ConfigError(["model.weights: trained on another base; point the run at it"])
     for again in (pickle.loads(pickle.dumps(error)), type(error)(*error.args)):
         assert again.problems == error.problems and str(again) == str(error)
+
+
+def test_a_task_argument_naming_a_local_path_is_made_absolute_for_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Workers run in another folder: a relative path that exists where the command
+    runs (a model folder, a data file) travels absolute; other values as they are."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "run.yaml").write_text("task: gpt\ntask_args: {corpus: texts, block_size: 32}\n")
+    assert load_config(tmp_path / "run.yaml").task_args == {
+        "corpus": str(tmp_path / "texts"),
+        "block_size": 32,
+    }
+    remote = load_config(tmp_path / "run.yaml", ["task_args.corpus=s3://b/texts"]).task_args
+    assert remote["corpus"] == "s3://b/texts"

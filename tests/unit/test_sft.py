@@ -275,3 +275,28 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
     full, lora = curves["ddp"], curves["ddp-lora"]
     assert full[30] < 0.7 * full[1], full
     assert lora[30] < lora[1] - 0.05, lora  # adapters on a random base: slower, but learning
+
+
+def test_json_and_parquet_files_give_the_rows_jsonl_gives_each_named_by_its_place(
+    tmp_path: Path,
+) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raylift.tasks.sft import _records, first_format
+
+    rows = [ROWS["alpaca"], {**ROWS["alpaca"], "output": "Chien."}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet")
+    found = {}
+    for name in ("a.jsonl", "a.json", "a.parquet"):
+        path = str(tmp_path / name)
+        got = _records({"path": path, "bytes": (tmp_path / name).read_bytes()})
+        found[name] = [json.loads(r["record"]) for r in got]
+        assert [r["where"] for r in got][1].startswith(path), got
+        assert first_format(str(tmp_path), path) == "alpaca"
+    assert found["a.jsonl"] == found["a.json"] == found["a.parquet"] == rows
+    assert (
+        _records({"path": "x.jsonl", "bytes": b'{"a": 1}\n\n{"b": 2}\n'})[1]["where"] == "x.jsonl:3"
+    )

@@ -109,7 +109,11 @@ class HFSFT(HFCausalLM):
         return root, found
 
     def sources(self) -> dict[str, Source]:
-        train = examples(self.data, [i.path for i in self._files(self.data)[1]])
+        files = [i.path for i in self._files(self.data)[1]]
+        if self.format == "auto":  # said once, on the driver: prep reads each row's keys
+            print(f"raylift: hf-sft: task_args.format auto: {first_format(self.data, files[0])} "
+                  f"(the first row's keys in {files[0]}; each row is read by its own)")  # fmt: skip
+        train = examples(self.data, files)
         if self.val_data:
             return {
                 "train": train,
@@ -216,6 +220,23 @@ def read_template(spec: str | None) -> str | None:
         raise ValueError(
             f"task_args.chat_template: {spec} is neither a Jinja template nor a file ({exc})"
         ) from None
+
+
+def first_format(spec: str, path: str) -> str:
+    """The format the first row of the file ``path`` is in, from its keys (a parquet
+    file's columns; of a JSON or JSONL file, the first MiB is read)."""
+    fs, _ = filesystem(spec)
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return detect_format(pq.ParquetFile(fs.open_input_file(path)).schema_arrow.names)
+        with fs.open_input_file(path) as f:
+            head = bytes(f.read(1 << 20))
+        rows = _records({"path": path, "bytes": head})
+        return detect_format(json.loads(rows[0]["record"]))
+    except (ValueError, IndexError, TypeError, OSError):  # RowError and bad JSON among them
+        return "none found in the first row"
 
 
 def examples(spec: str, files: list[str]) -> Any:

@@ -9,11 +9,11 @@ on 2 processes over gloo (one on a GPU), on a chat file made here (``tests/chats
 "Repeat: w1 w2 w3" answered with the three words). Both runs train on the same
 conversations for the same steps and global batch of windows: ``packing: true`` (whole
 examples, best fit, into 128-token windows) against ``packing: false`` (one example a
-window, padded). Reported: examples/s and trained tokens/s (the median logged interval
-after the first, times the examples and trained tokens a window holds on average), the
-share of positions that are padding, and after training, how many of 200 held-out
-triples the packed run's model answers exactly through the chat template with
-``generate``.
+window, each batch cut to its longest example, as a run's loader cuts it). Reported:
+examples/s and trained tokens/s (the median logged interval after the first, times the
+examples and trained tokens a window holds on average), the share of the positions the
+model computes that are padding, and after training, how many of 200 held-out triples
+each run's model answers exactly through the chat template with ``generate``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +34,7 @@ from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
 from raylift.config import config_from_dict  # noqa: E402
+from raylift.data.ingest import TensorSource  # noqa: E402
 from raylift.tasks import build_task  # noqa: E402
 from tests.chats import answers, model_folder, sft_tensors, write_chats  # noqa: E402
 from tests.helpers import (  # noqa: E402
@@ -68,9 +70,11 @@ def train(rank: int, world: int, cfg_dict: dict, data: str, out: str) -> None:
     tracker = ListTracker()
     reporter = LocalReporter(Path(out).parent / f"r{rank}")
     device = torch.device("cuda", rank) if cfg.scaling.use_gpu else None
-    trainer = make_trainer(
-        cfg, rank, world, reporter, tracker, sft_tensors(task, Path(data)), device
-    )
+    cols = sft_tensors(task, Path(data))
+    batch = cfg.data.batch_size
+    source = TensorSource(cols["train"], cols["val"], rank, world, batch, batch)
+    source.transform = task.transform  # as a run's loader: unpacked batches cut to their longest
+    trainer = make_trainer(cfg, rank, world, reporter, tracker, device=device, source=source)
     trainer.run()
     if rank == 0:
         module = getattr(trainer.engine.module, "module", trainer.engine.module)
@@ -80,15 +84,20 @@ def train(rank: int, world: int, cfg_dict: dict, data: str, out: str) -> None:
                     "val_loss": tracker.series("val_loss"), "state": state}, out)  # fmt: skip
 
 
-def window_shares(task: object, data: Path) -> dict[str, float]:
-    """Per window of the train split: examples, trained tokens, and the padding share."""
-    cols = sft_tensors(task, data)["train"]
-    example, labels = cols["example"], cols["labels"]
+def window_shares(task: Any, data: Path, batch: int) -> dict[str, float]:
+    """Per window of the train split: examples and trained tokens; and the share of the
+    positions the model computes that are padding, in batches as the loader cuts them."""
+    cols = {k: v.numpy() for k, v in sft_tensors(task, data)["train"].items()}
+    padding = positions = 0
+    for i in range(0, len(cols["example"]), batch):
+        cut = task.transform({k: v[i : i + batch] for k, v in cols.items()}, None)
+        padding += int((cut["example"] == 0).sum())
+        positions += cut["example"].size
     return {
-        "windows": float(len(example)),
-        "examples_per_window": float(cols["examples"].float().mean()),
-        "trained_per_window": float((labels != -100).sum(1).float().mean()),
-        "padding_share": float((example == 0).float().mean()),
+        "windows": float(len(cols["example"])),
+        "examples_per_window": float(cols["examples"].mean()),
+        "trained_per_window": float((cols["labels"] != -100).sum(1).mean()),
+        "padding_share": padding / positions,
     }
 
 
@@ -120,7 +129,7 @@ def main() -> None:
                     run_ranks(world, tmp, train, cfg, str(data), str(out))
                 got = torch.load(out, weights_only=True)
                 task = build_task("hf-sft", cfg["task_args"])
-                shares = window_shares(task, data)
+                shares = window_shares(task, data, cfg["data"]["batch_size"])
                 per_s = statistics.median(got["samples_per_s"])
                 results[name] = {**shares, "windows_per_s": per_s,
                                  "examples_per_s": per_s * shares["examples_per_window"],

@@ -32,14 +32,18 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
     model_folder(tmp_path / "model")
     data = tmp_path / "chats.jsonl"
     write_chats(data, 300)
-    with data.open("a") as f:  # lines 301 and 302
+    long = {"messages": [{"role": "user", "content": "Say it."},
+                         {"role": "assistant", "content": "sun moon " * 200}]}  # fmt: skip
+    with data.open("a") as f:  # lines 301 and 302 bad, 303 longer than a window
         f.write('{"messages": [{"role": "user", "content": "Repeat: a b c"}]}\n{oops\n')
+        f.write(json.dumps(long) + "\n")
     args = sft_config(tmp_path, data)
     assert cli_main(["prep", *args, "--show", "3"]) == 0
     out = capsys.readouterr().out
     print(out)  # for the record: what --show prints
     assert "raylift: hf-sft: task_args.format auto: messages (the first row's keys" in out, out
     assert "skipped 2 unreadable row(s)" in out, out
+    assert "raylift: hf-sft: 1 example(s) longer than block_size 256 cut to it" in out, out
     assert f"{data}:301: no assistant turn" in out and f"{data}:302: " in out, out
     shown = out.split("--- ")[1:]  # each example after its "--- N of M tokens trained"
     assert len(shown) == 3, out
@@ -55,6 +59,17 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
         pairs = zip(example["tokens"], example["trained"], strict=True)
         trained = "".join(token for token, on in pairs if on)
         assert trained.endswith("<|im_end|>") and "Repeat" not in trained, example
+    # Val from files of its own: every one of their examples, none of the train file's.
+    held = tmp_path / "held.jsonl"
+    held.write_text("\n".join(data.read_text().splitlines()[:20]) + "\n")
+    with_val = [f"{args[0]}", f"data.shards={tmp_path / 'with-val'}", f"task_args.val_data={held}"]
+    assert cli_main(["prep", *with_val]) == 0
+    from raylift.data.shards import column_total, head
+
+    val = open_shards(str(tmp_path / "with-val"), None)
+    assert head(val, "val", 100)["examples"].sum() == 20
+    assert column_total(val, "examples") == 20 + 301  # the file's good rows, 303 among them
+    capsys.readouterr()
     # Most rows bad: prep stops, naming them, and writes nothing.
     bad = tmp_path / "bad.jsonl"
     rows = [f'{{"prompt": "x{i}", "completion": null}}' for i in range(8)]

@@ -146,6 +146,11 @@ def test_a_tokenizer_without_a_template_is_refused_naming_the_key(tmp_path: Path
         sft_task(tmp_path / "none", template=None)
     task = sft_task(tmp_path / "given", template=None, chat_template=CHATML)
     assert trained_text(task, ROWS["sharegpt"]) == ["Hello!<|im_end|>"]
+    (tmp_path / "chatml.jinja").write_text(CHATML)  # or a file holding one
+    task = sft_task(tmp_path / "file", template=None, chat_template=str(tmp_path / "chatml.jinja"))
+    assert trained_text(task, ROWS["sharegpt"]) == ["Hello!<|im_end|>"]
+    with pytest.raises(ValueError, match=r"task_args\.chat_template: .*nope\.jinja"):
+        sft_task(tmp_path / "missing", template=None, chat_template=str(tmp_path / "nope.jinja"))
 
 
 def test_bad_rows_are_counted_by_file_and_line_beside_the_windows(tmp_path: Path) -> None:
@@ -170,6 +175,7 @@ def test_best_fit_packs_whole_examples_and_positions_restart_at_each() -> None:
     examples = [Encoded(list(range(n)), [True] * n) for n in (4, 6, 3, 12)]
     packed = pack(examples, block=8)
     assert packed.truncated == 1  # 11 inputs cut to 8
+    assert packed.columns()["truncated"].sum() == 1  # prep sums it over the shards
     columns = (packed.input_ids, packed.position_ids, packed.example, packed.labels)
     for ids, pos, ex, lab in zip(*columns, strict=True):
         for k in set(ex[ex > 0].tolist()):
@@ -224,6 +230,8 @@ SFT_RUNS = {
     "fsdp": ({"name": "fsdp"}, False),
     "zero3": ({"name": "deepspeed", "zero_stage": 3,
                "config": {"zero_optimization": {"stage3_param_persistence_threshold": 0}}}, False),
+    "zero2": ({"name": "deepspeed", "zero_stage": 2}, False),
+    "fairscale": ({"name": "fairscale"}, False),
     "ddp-lora": ({"name": "ddp"}, True),
     "fsdp-lora": ({"name": "fsdp"}, True),
 }  # fmt: skip
@@ -246,9 +254,9 @@ def train_sft(rank: int, world: int, cfg_dict: dict, data: str, out: str) -> Non
 
 
 def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path: Path) -> None:
-    """30 steps, fp32, 2 ranks: fsdp and ZeRO-3 on DDP's curve (1e-5), and LoRA adapters
-    under ddp and fsdp on the same curve as each other; both learn (the trained tokens'
-    loss falls)."""
+    """30 steps, fp32, 2 ranks: fsdp, ZeRO-2, ZeRO-3 and fairscale on DDP's curve (1e-5),
+    and LoRA adapters under ddp and fsdp on the same curve as each other; both learn (the
+    trained tokens' loss falls)."""
     from raylift.config import merge
     from tests.chats import model_folder, write_chats
     from tests.helpers import SHIPPED_TRAINING, make_config, run_ranks
@@ -268,7 +276,8 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
         out.parent.mkdir()
         run_ranks(2, tmp_path, train_sft, cfg, str(data), str(out))
         curves[name] = torch.load(out, weights_only=True)["loss"]
-    for name, ref in (("fsdp", "ddp"), ("zero3", "ddp"), ("fsdp-lora", "ddp-lora")):
+    for name, ref in (("fsdp", "ddp"), ("zero3", "ddp"), ("zero2", "ddp"), ("fairscale", "ddp"),
+                      ("fsdp-lora", "ddp-lora")):  # fmt: skip
         assert sorted(curves[name]) == list(range(1, 31)), name
         for step, loss in curves[ref].items():
             assert curves[name][step] == pytest.approx(loss, rel=1e-5), (name, step)
@@ -300,3 +309,13 @@ def test_json_and_parquet_files_give_the_rows_jsonl_gives_each_named_by_its_plac
     assert (
         _records({"path": "x.jsonl", "bytes": b'{"a": 1}\n\n{"b": 2}\n'})[1]["where"] == "x.jsonl:3"
     )
+
+
+def test_unpacked_a_batch_is_cut_to_its_longest_example_not_to_the_block(tmp_path: Path) -> None:
+    task = sft_task(tmp_path, packing=False, block_size=128)
+    windows = pack([task.encode(r) for r in ROWS.values()], 128, packing=False).columns()
+    assert windows["input_ids"].shape == (4, 128)
+    cut = task.transform(windows, np.random.default_rng(0))
+    longest = int((windows["example"] > 0).sum(1).max())
+    assert longest < 128 and cut["input_ids"].shape == cut["labels"].shape == (4, longest)
+    assert (cut["labels"] != IGNORE).sum() == (windows["labels"] != IGNORE).sum()  # no loss cut

@@ -249,6 +249,8 @@ def prep(
         manifest = _write_generation(task, root, fp, log)
     else:
         manifest = _write_staged(task, root, fp, log, replace=force)
+    for line in getattr(task, "prep_notes", lambda _: [])(manifest):  # what the task counted
+        log(line)
     return PrepResult(root, manifest, False, time.perf_counter() - started)
 
 
@@ -725,3 +727,15 @@ def head(manifest: Manifest, split: str, rows: int) -> Columns:
             if sum(len(t) for t in tables) >= rows:
                 return table_to_numpy(pa.concat_tables(tables).slice(0, rows))
     return table_to_numpy(pa.concat_tables(tables)) if tables else {}
+
+
+def column_total(manifest: Manifest, column: str) -> int:
+    """The sum of a numeric column over every shard of every split, that column alone read."""
+    import pyarrow.parquet as pq
+
+    total = 0
+    for files in manifest.splits.values():
+        for shard in files:
+            fs, path = filesystem(join(manifest.root, shard.path))
+            total += _kept(pq.ParquetFile(fs.open_input_file(path)), column)
+    return total

@@ -209,9 +209,14 @@ class Packed:
         """As prep stores them; ``examples``: how many a window holds (prep counts the
         share of bad rows against examples, not windows)."""
         count = self.example.max(axis=1, initial=0).astype(np.int32)
+        # The examples cut or left out for their length, on the first window: prep says
+        # how many (their sums over the shards).
+        cut, left = np.zeros(len(count), np.int32), np.zeros(len(count), np.int32)
+        if len(count):
+            cut[0], left[0] = self.truncated, self.dropped
         return {"input_ids": self.input_ids, "labels": self.labels,
                 "position_ids": self.position_ids, "example": self.example,
-                "examples": count}  # fmt: skip
+                "examples": count, "truncated": cut, "dropped": left}  # fmt: skip
 
 
 def shifted(example: Encoded) -> tuple[list[int], list[int]]:

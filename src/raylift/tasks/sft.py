@@ -147,6 +147,20 @@ class HFSFT(HFCausalLM):
             )
         return cols
 
+    def prep_notes(self, manifest: Any) -> list[str]:
+        """After prep: how many examples were cut to ``block_size`` or left out."""
+        from raylift.data.shards import column_total
+
+        longer = f"example(s) longer than block_size {self.block_size}"
+        notes = []
+        if cut := column_total(manifest, "truncated"):
+            notes.append(
+                f"raylift: hf-sft: {cut:,} {longer} cut to it (long: drop leaves them out)"
+            )
+        if left := column_total(manifest, "dropped"):
+            notes.append(f"raylift: hf-sft: {left:,} {longer} left out (task_args.long: drop)")
+        return notes
+
     def encode(self, row: Any) -> Encoded:
         """One row's tokens and their loss mask."""
         if not isinstance(row, dict):
@@ -156,6 +170,14 @@ class HFSFT(HFCausalLM):
         if fmt == "text":
             return self.renderer.encode_text(turns[0]["content"])
         return self.renderer.encode(turns)
+
+    def transform(self, columns: Columns, rng: np.random.Generator) -> Columns:
+        """``packing: false``: the batch cut to its longest example (each sits at the
+        start of its window), not padded to ``block_size``."""
+        if self.packing:
+            return columns  # full windows: one shape, nothing to cut
+        longest = int((columns["example"] > 0).sum(axis=1).max(initial=1))
+        return {k: v[:, :longest] if k in COLUMNS else v for k, v in columns.items()}
 
     # ------------------------------------------------------------ steps
 

@@ -198,21 +198,21 @@ class HFSFT(HFCausalLM):
     def criterion(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Mean over the trained tokens: masked ones neither add to it nor count (a batch
         with none gives 0, not NaN, and no host sync to find out)."""
-        labels = batch["labels"].flatten()
-        total = F.cross_entropy(
-            logits.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="sum"
-        )
-        return total / (labels != IGNORE).sum().clamp(min=1)
+        total, count = trained_loss(logits, batch["labels"])
+        return total / count.clamp(min=1)
 
     def eval_sums(self, model: nn.Module, batch: Batch) -> dict[str, torch.Tensor]:
-        labels = batch["labels"].flatten()
-        logits = self.logits(model, batch).float().flatten(0, 1)
-        loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
-        return {"loss_sum": loss_sum, "count": (labels != IGNORE).sum()}
+        total, count = trained_loss(self.logits(model, batch), batch["labels"])
+        return {"loss_sum": total, "count": count}
 
-    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
-        loss = sums["loss_sum"] / max(sums["count"], 1.0)
-        return {"val_loss": loss, "val_ppl": float(np.exp(min(loss, 50.0)))}
+
+def trained_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of the trained tokens, in fp32, and how many there are."""
+    labels = labels.flatten()
+    total = F.cross_entropy(
+        logits.float().flatten(0, 1), labels, ignore_index=IGNORE, reduction="sum"
+    )
+    return total, (labels != IGNORE).sum()
 
 
 def check_packed_attention() -> None:

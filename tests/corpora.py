@@ -26,6 +26,13 @@ def documents(n: int) -> list[str]:
     raise RuntimeError(f"the standard library has fewer than {n} modules")
 
 
+def write_text_file(path: Path, n: int) -> Path:
+    """One text file of ``n`` standard-library documents, a blank line between them."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(documents(n)))
+    return path
+
+
 def write_jsonl(folder: Path, n: int, files: int = 3, field: str = "body") -> Path:
     """``n`` documents as JSONL rows with the text in ``field``, over ``files`` files."""
     folder.mkdir(parents=True, exist_ok=True)

@@ -403,6 +403,44 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
     assert 0.05 < val / (val + train) < 0.4  # 20% of the documents, by hash
 
 
+def test_the_gpt_task_splits_one_text_file_by_window(
+    ray_cluster: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Most corpora start as one file: too few to split by path, so its windows are split,
+    each by the file's name and its place; max_bytes plus val_percent of it are read."""
+    from raylift.data.sources import val_outputs
+    from tests.corpora import write_text_file
+
+    text = write_text_file(tmp_path / "corpus" / "input.txt", 60).read_bytes()
+    block, percent, cap = 32, 10, 60_000
+    args = [
+        f"data.shards={tmp_path / 'shards'}",
+        f"task_args={{corpus: '{tmp_path / 'corpus' / 'input.txt'}', block_size: {block}, "
+        f"val_percent: {percent}, max_bytes: {cap}}}",
+    ]
+    assert cli_main(["prep", str(GPT_TINY), *args]) == 0
+    out = capsys.readouterr().out
+    assert "input.txt (1 text file, too few to split by file) by window: 10% of the windows" in out
+    assert "prep wrote splits 'train' and 'val'" in out
+    store = ParquetStore(open_shards(str(tmp_path / "shards"), None))
+    got = {
+        split: sorted(
+            bytes(w)
+            for g in range(len(store.group_rows(split)))
+            for w in store.read(split, g)["tokens"]
+        )
+        for split in ("train", "val")
+    }
+    read = text[: cap + cap * percent // 100]
+    n = (len(read) - 1) // block
+    val = val_outputs("input.txt", n, percent)
+    for split, mask in (("train", ~val), ("val", val)):
+        # Both splits, disjoint: each window of the text read is in the split of its place.
+        want = sorted(read[i * block : i * block + block + 1] for i in np.flatnonzero(mask))
+        assert got[split] == want, split
+    assert 0.06 < len(got["val"]) / n < 0.14
+
+
 @pytest.mark.parametrize(
     "task_args, named",
     [
@@ -413,6 +451,8 @@ def test_the_gpt_task_reads_a_jsonl_corpus_by_its_text_field(
         ("{corpus: '%s/empty'}", "holds no files"),
         ("{corpus: '%s/mixed'}", "mixes text files with JSONL"),
         ("{corpus: '%s/one', val_percent: 1}", "no row of split 'val'"),  # 1 row, in train
+        ("{corpus: '%s/note.txt'}", "no window of split"),  # too short for one window
+        ("{corpus: '%s/blank'}", "holds no text"),
     ],
 )
 def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
@@ -434,6 +474,9 @@ def test_a_bad_corpus_exits_2_naming_the_path_before_any_worker(
     (tmp_path / "garbled" / "a.jsonl").write_text("text, not JSON\n")
     (tmp_path / "one").mkdir()
     (tmp_path / "one" / "a.jsonl").write_text(json.dumps({"text": "a single document " * 20}))
+    (tmp_path / "note.txt").write_text("a note shorter than a window\n")
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
     args = [f"storage={tmp_path / 'runs'}", f"task_args={task_args % tmp_path}"]
     assert cli_main(["train", str(GPT_TINY), *args]) == 2
     err = capsys.readouterr().err

@@ -4,7 +4,9 @@ sharding strategy, exported as a from_pretrained folder and started from again."
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -127,21 +129,27 @@ def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
         torch.testing.assert_close(start[k], v.float(), rtol=0, atol=0, msg=k)
 
 
-def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
-    """A local folder (config + tokenizer, no weights): text is tokenised, not bytes."""
+def llama_with_a_tokenizer(folder: Path, text: list[str]) -> Any:
+    """A model folder (config + a small BPE tokenizer trained on ``text``, no weights)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoConfig, PreTrainedTokenizerFast
 
-    text = [Path(__file__).read_text(), Path(__file__).with_name("test_init.py").read_text()]
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     bpe.train_from_iterator(
         text, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"])
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", unk_token="[UNK]")
-    folder = tmp_path / "llama"
     tokenizer.save_pretrained(folder)
     AutoConfig.for_model(**{**LLAMA, "vocab_size": len(tokenizer)}).save_pretrained(folder)
+    return tokenizer
+
+
+def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
+    """A local folder (config + tokenizer, no weights): text is tokenised, not bytes."""
+    text = [Path(__file__).read_text(), Path(__file__).with_name("test_init.py").read_text()]
+    folder = tmp_path / "llama"
+    tokenizer = llama_with_a_tokenizer(folder, text)
 
     task = build_task("hf-causal-lm", {"model": str(folder), "block_size": 16})
     assert task.tokenizer is not None and task.pretrained_weights is None
@@ -162,3 +170,30 @@ def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
     tokenizer.add_tokens(["raylift"])
     tokenizer.save_pretrained(folder)
     assert fingerprint(cfg, build_task(cfg.task, cfg.task_args)) != before
+
+
+def test_one_text_file_is_split_by_its_tokens_windows(tmp_path: Path) -> None:
+    """The gpt task's corpus reader: one text file is split by window, here windows of the
+    tokenizer's tokens, each in one split; max_bytes caps the text tokenised."""
+    from raylift.data.shards import _preprocess_by_split
+    from raylift.data.sources import SPLIT_COLUMN, RowSplit, val_outputs
+
+    text = Path(__file__).read_text() + Path(__file__).with_name("test_init.py").read_text()
+    tokenizer = llama_with_a_tokenizer(tmp_path / "llama", [text])
+    (tmp_path / "corpus.txt").write_text(text)
+    args = {"model": str(tmp_path / "llama"), "block_size": 16, "val_percent": 20}
+    task = build_task("hf-causal-lm", {**args, "corpus": str(tmp_path / "corpus.txt"),
+                                       "max_bytes": 10_000})  # fmt: skip
+    both = task.sources()["train"]
+    assert isinstance(both, RowSplit) and both.outputs == "window"
+    rows = _preprocess_by_split(both.dataset, task.preprocess, key="file", percent=20,
+                                outputs=True)  # fmt: skip
+    read = text.encode()[:12_000].decode(errors="replace")  # max_bytes + 20% of it
+    ids = tokenizer(read, add_special_tokens=False)["input_ids"]
+    ids.append(tokenizer.eos_token_id)
+    n = (len(ids) - 1) // 16
+    val = val_outputs("corpus.txt", n, 20)
+    for split, mask in (("train", ~val), ("val", val)):
+        got = rows["tokens"][rows[SPLIT_COLUMN] == split].tolist()
+        assert got == [ids[i * 16 : i * 16 + 17] for i in np.flatnonzero(mask)], split
+        assert got, split

@@ -165,6 +165,60 @@ def test_too_few_jsonl_files_give_one_row_split_whose_rows_are_preprocessed_per_
         assert all(bytes(w[w != 0])[:8] in text for w in windows), split
 
 
+def test_one_text_file_is_split_by_window_the_same_anywhere_within_max_bytes(
+    tmp_path: Path,
+) -> None:
+    """Too few text files for both splits by path: one RowSplit of the files, whose windows
+    go to val by a hash of the file's path under the corpus and their place, so a copy
+    elsewhere splits the same; max_bytes plus val_percent of it are read."""
+    from raylift.data.shards import _preprocess_by_split
+    from raylift.data.sources import SPLIT_COLUMN, RowSplit, sample, val_outputs
+    from tests.corpora import write_text_file
+
+    text = write_text_file(tmp_path / "a" / "input.txt", 60).read_bytes()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "input.txt").write_bytes(text)
+    block, percent, cap = 32, 10, 60_000
+    split = {}
+    for where in ("a", "b/input.txt"):  # a folder, or the file itself
+        task = GPTTask(corpus=str(tmp_path / where), block_size=block, max_bytes=cap,
+                       val_percent=percent)  # fmt: skip
+        out = task.sources()
+        both = out["train"]
+        assert out["val"] is both and isinstance(both, RowSplit) and both.outputs == "window"
+        assert list(both.dataset["file"]) == ["input.txt"] and "1 text file" in both.what
+        assert len(task.preprocess(sample(both, 8))["tokens"]) > 0  # what plan.py does
+        rows = _preprocess_by_split(
+            both.dataset, task.preprocess, key=both.key, percent=percent, outputs=True,
+            permute=True,
+        )  # fmt: skip
+        split[where] = {
+            s: sorted(bytes(w) for w in rows["tokens"][rows[SPLIT_COLUMN] == s])
+            for s in ("train", "val")
+        }
+    assert split["a"] == split["b/input.txt"]
+    # Each window of the file's first cap + 10% bytes, in the split its place gives it.
+    read = text[: cap + cap * percent // 100]
+    n = (len(read) - 1) // block
+    val = val_outputs("input.txt", n, percent)
+    expected = {
+        s: sorted(read[i * block : i * block + block + 1] for i in np.flatnonzero(mask))
+        for s, mask in (("train", ~val), ("val", val))
+    }
+    assert split["a"] == expected
+    assert 0.06 < len(expected["val"]) / n < 0.14 and n * block <= len(read)
+
+
+def test_a_corpus_with_no_text_is_refused_naming_it(tmp_path: Path) -> None:
+    from raylift.data.sources import SourceError
+
+    with pytest.raises(SourceError, match="holds no files"):
+        GPTTask(corpus=str(tmp_path)).sources()
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(SourceError, match=f"{tmp_path} holds no text"):
+        GPTTask(corpus=str(tmp_path)).sources()
+
+
 def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> None:
     """An edited, added or removed corpus file or image changes the shards' fingerprint,
     so a run prepares its data again instead of training on stale shards."""

@@ -39,6 +39,7 @@ from raylift.data.sources import (
     num_rows,
     permuted,
     reads_shuffled_files,
+    val_outputs,
     val_rows,
 )
 from raylift.storage import filesystem, is_remote, join, resolve
@@ -345,7 +346,7 @@ def _write_splits(task: Task, root: str, log: Any) -> list[str]:
     budget = SHUFFLE_MEMORY_SHARE * ray.cluster_resources().get("object_store_memory", 0.0)
     both = sources["train"]
     if isinstance(both, RowSplit):
-        _write_row_split(task, both, root, budget, log)
+        _write_row_split(task, both, root, cpus, budget, log)
         return list(SPLITS)
     counted = {s: _write_split(task, sources[s], s, root, cpus, budget, log) for s in SPLITS}
     for split in SPLITS:
@@ -363,23 +364,48 @@ def _write_split(
     return _write(ds, join(root, split), f"split {split!r}", expected, log)
 
 
-def _write_row_split(task: Task, source: RowSplit, root: str, budget: float, log: Any) -> None:
+def _write_row_split(
+    task: Task, source: RowSplit, root: str, cpus: int, budget: float, log: Any
+) -> None:
     """Both splits in one pass over the data, shuffled as a train split is: each
     preprocess call parts its rows by the key's hash and preprocesses each part alone (no
-    train row is made of val data); the write files each row under the split it carries."""
+    train row is made of val data), or, with ``source.outputs``, preprocesses each row
+    alone and parts its output rows; the write files each row under the split it carries."""
     batch = getattr(task, "preprocess_batch_size", PREPROCESS_BATCH)
-    ds = _shuffled_dataset(task, source.dataset, batch, budget, log, source)
+    unit, how = _row_split_how(source)
+    log(
+        f"raylift: prep splits {source.what} by {unit}: {source.val_percent}% of the "
+        f"{unit}s go to val by a hash of {how}; one pass writes both splits"
+    )
+    if isinstance(source.dataset, dict):  # numpy columns: a few files' paths, say
+        n = num_rows(source.dataset)
+        log(
+            f"raylift: prep shuffles splits 'train' and 'val' (read once) whole ({n:,} rows, "
+            "in memory)"
+        )
+        ds = as_dataset(permuted(source.dataset, SHUFFLE_SEED), cpus, batch)
+        ds = _preprocessed(task, ds, batch, source, permute=True)
+    else:
+        ds = _shuffled_dataset(task, source.dataset, batch, budget, log, source)
     counted = _write(ds, root, "splits 'train' and 'val'", estimated_bytes(source), log, True)
     # Bad rows first: where most were bad, that is why a split came out empty.
     _check_skipped(task, root, SPLITS, *counted, log)
     for split in SPLITS:
         if not _parquet_files(join(root, split)):
             raise SourceError(
-                f"task: prep made no row of split {split!r} from {source.what}: "
-                f"{source.val_percent}% of its rows go to val by a hash of column "
-                f"{source.key!r}, and it has too few rows for that (or too little text for "
-                "one window of the split); add data or change val_percent"
+                f"task: prep made no {unit} of split {split!r} from {source.what}: "
+                f"{source.val_percent}% of its {unit}s go to val by a hash of {how}, and it "
+                f"has too few {unit}s for that (or too little text for one window of the "
+                "split); add data or change val_percent"
             )
+
+
+def _row_split_how(source: RowSplit) -> tuple[str, str]:
+    """What a RowSplit parts (rows, or what preprocess makes of each: windows) and by
+    what, for messages."""
+    if source.outputs:
+        return source.outputs, f"their row's column {source.key!r} and their place in its output"
+    return "row", f"column {source.key!r}"
 
 
 def _write(
@@ -514,25 +540,52 @@ def _shuffled_dataset(
 
 
 def _preprocessed(
-    task: Task, ds: ray.data.Dataset, batch: int, rows: RowSplit | None = None
+    task: Task,
+    ds: ray.data.Dataset,
+    batch: int,
+    rows: RowSplit | None = None,
+    permute: bool = False,
 ) -> ray.data.Dataset:
     # Each takes the task's preprocess as a keyword (its prints reach the console).
     fn: Any = _preprocess
     kwargs: dict[str, Any] = {"preprocess": task.preprocess}
     if rows is not None:
-        fn, kwargs = _preprocess_by_split, {**kwargs, "key": rows.key, "percent": rows.val_percent}
+        fn = _preprocess_by_split
+        kwargs |= {"key": rows.key, "percent": rows.val_percent, "outputs": bool(rows.outputs)}
+        kwargs |= {"permute": permute}
     return ds.map_batches(fn, fn_kwargs=kwargs, batch_format="numpy", batch_size=batch)
 
 
-def _preprocess_by_split(batch: Columns, preprocess: Any, key: str, percent: int) -> Columns:
-    """Each split's rows of ``batch`` preprocessed apart, marked with their split."""
-    val = val_rows(batch[key], percent)
+def _preprocess_by_split(
+    batch: Columns,
+    preprocess: Any,
+    key: str,
+    percent: int,
+    outputs: bool = False,
+    permute: bool = False,
+) -> Columns:
+    """Each split's rows of ``batch`` preprocessed apart, marked with their split; with
+    ``outputs``, each row preprocessed alone and its output rows parted (``val_outputs``).
+    ``permute``: the output rows in a random order (the rows' windows mixed)."""
     parts = []
-    for split, mask in (("train", ~val), ("val", val)):
-        if mask.any():
-            out = _preprocess({k: v[mask] for k, v in batch.items()}, preprocess)
-            parts.append({**out, SPLIT_COLUMN: np.full(num_rows(out), split)})
-    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    if outputs:
+        for i in range(num_rows(batch)):
+            out = _preprocess({k: v[i : i + 1] for k, v in batch.items()}, preprocess)
+            val = val_outputs(batch[key][i], num_rows(out), percent)
+            for split, mask in (("train", ~val), ("val", val)):
+                parts.append(_marked({k: v[mask] for k, v in out.items()}, split))
+    else:
+        val = val_rows(batch[key], percent)
+        for split, mask in (("train", ~val), ("val", val)):
+            if mask.any():
+                out = _preprocess({k: v[mask] for k, v in batch.items()}, preprocess)
+                parts.append(_marked(out, split))
+    joined = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    return _permute_rows(joined) if permute else joined
+
+
+def _marked(rows: Columns, split: str) -> Columns:
+    return {**rows, SPLIT_COLUMN: np.full(num_rows(rows), split)}
 
 
 def _preprocess(batch: Columns, preprocess: Any) -> Columns:

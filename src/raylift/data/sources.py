@@ -10,7 +10,9 @@ Two forms are accepted for each split:
 
 Data with too few files to split by file (one large JSONL, say) can be given as one
 :class:`RowSplit` for both splits: rows go to val by a hash of a key column, and prep
-reads the data once for both.
+reads the data once for both. Data of a few long rows (one text file) can be split by
+what ``preprocess`` makes of each row instead: its windows, each by a hash of the row's
+key and the window's place (``RowSplit.outputs``).
 """
 
 from __future__ import annotations
@@ -64,12 +66,19 @@ class RowSplit:
     """Both splits in one Dataset, read once: a row is val where the first 4 KiB of its
     ``key`` column hash below ``val_percent`` (:func:`in_val`), else train. For data with
     too few files to split by file, where a Dataset per split would read every file twice.
-    ``sources()`` returns the same RowSplit for ``train`` and ``val``."""
+    ``sources()`` returns the same RowSplit for ``train`` and ``val``.
 
-    dataset: Any  # a ray.data.Dataset
+    With ``outputs`` (what ``preprocess`` makes of a row, named for messages: "window"),
+    each row is preprocessed alone and its output rows go to val one by one, by a hash of
+    the row's ``key`` and their place in its output (:func:`val_outputs`): for data of a
+    few long rows, a text file each, too few to split whole. ``key`` then names each row
+    uniquely (a file's path under the corpus), and ``dataset`` may be numpy columns."""
+
+    dataset: Any  # a ray.data.Dataset, or numpy columns (small: a list of files)
     key: str
     val_percent: int
     what: str = "the data"  # for messages: "task_args.corpus /data/*.jsonl", say
+    outputs: str = ""  # "": rows split whole; else the output rows' name, split one by one
 
 
 def val_rows(keys: Any, percent: int) -> np.ndarray:
@@ -79,6 +88,14 @@ def val_rows(keys: Any, percent: int) -> np.ndarray:
         dtype=bool,
         count=len(keys),
     )
+
+
+def val_outputs(key: Any, n: int, percent: int) -> np.ndarray:
+    """Which of the ``n`` rows preprocessed from the row keyed ``key`` are val rows: by a
+    hash of the key and each one's place, so the split is the same on every machine and
+    in every file order, and any content (a file of one repeated line) splits."""
+    prefix = (key if isinstance(key, bytes) else str(key).encode())[:4096] + b"\0"
+    return np.fromiter((in_val(prefix + b"%d" % i, percent) for i in range(n)), dtype=bool, count=n)
 
 
 def is_dataset(source: object) -> bool:
@@ -145,16 +162,19 @@ def permuted(cols: Columns, seed: int) -> Columns:
     return {k: np.asarray(v)[order] for k, v in cols.items()}
 
 
-def read_bytes(path: str) -> bytes:
-    """A whole file, local or in an object store (``s3://``, ``gs://``)."""
+def read_bytes(path: str, limit: int | None = None) -> bytes:
+    """A whole file, or its first ``limit`` bytes, local or in an object store
+    (``s3://``, ``gs://``)."""
+    if limit is not None and limit < 0:
+        limit = None
     if "://" not in path:
         with open(path, "rb") as f:
-            return f.read()
+            return f.read(-1 if limit is None else limit)
     from raylift.storage import filesystem
 
     fs, where = filesystem(path)
     with fs.open_input_stream(where) as stream:
-        return bytes(stream.read())
+        return bytes(stream.read(limit))
 
 
 def _arrow_table(cols: Columns) -> Any:
@@ -171,9 +191,13 @@ def _arrow_table(cols: Columns) -> Any:
 
 def estimated_bytes(source: Source) -> int | None:
     """In-memory size of the raw rows, when it is known without reading them."""
+    if isinstance(source, RowSplit):
+        if isinstance(source.dataset, dict):
+            return None  # columns of paths, say: their size says nothing of the data's
+        source = source.dataset
     if isinstance(source, dict):
         return int(sum(np.asarray(v).nbytes for v in source.values()))
-    ds: Any = source.dataset if isinstance(source, RowSplit) else source
+    ds: Any = source
     try:
         # Metadata only (file sizes, parquet footers): it never executes the dataset.
         # Not a public API; its absence just means "unknown", never a wrong answer.
@@ -213,9 +237,11 @@ def reads_shuffled_files(ds: Any) -> bool:
 
 def sample(source: Source, n: int) -> Columns:
     """The first ``n`` raw rows as numpy columns (a few rows are read, not the split)."""
+    if isinstance(source, RowSplit):
+        source = source.dataset
     if isinstance(source, dict):
         return {k: v[:n] for k, v in source.items()}
-    ds: Any = source.dataset if isinstance(source, RowSplit) else source
+    ds: Any = source
     return dict(ds.take_batch(n, batch_format="numpy"))
 
 

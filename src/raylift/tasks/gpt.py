@@ -9,10 +9,17 @@ in an object store (``s3://``, ``gs://``), of:
   document, read in parallel by Ray Data's readers.
 
 Documents go to train or val by a hash of their file's path (text files, and JSONL or
-parquet files when there are enough of them for both splits) or of their text (rows of
-too few files), so the split does not change with the file order or the machine.
-They are packed into uint8 windows of ``block_size + 1`` bytes, with a ``SEP`` byte
-between documents.
+parquet files, when there are enough of them for both splits) or of their text (rows of
+too few JSONL or parquet files). Text files too few for both splits by path (one file,
+say) are split by window instead: each file's windows go to val by a hash of the file's
+path and the window's place in it. Either way the split does not change with the file
+order or the machine, and prep says which split it used. Documents are packed into uint8
+windows of ``block_size + 1`` bytes, with a ``SEP`` byte between documents.
+
+``max_bytes`` caps the train text and ``val_percent`` of it goes to val: whole files
+under a split by path; under a split by window, the first ``max_bytes`` plus
+``val_percent`` of it of the files in path order, of whose windows ``val_percent`` go to
+val.
 """
 
 from __future__ import annotations
@@ -190,12 +197,12 @@ def _first_row_fields(fs: Any, where: str, path: str) -> list[str]:
 
 
 def documents(batch: Columns) -> list[bytes]:
-    """A prep batch's documents: the ``doc`` column of rows, or the text files named."""
-    return (
-        [bytes(d) for d in batch["doc"]]
-        if "doc" in batch
-        else [read_bytes(str(p)) for p in batch["path"]]
-    )
+    """A prep batch's documents: the ``doc`` column of rows, or the text files named
+    (the first ``limit`` bytes of each, where the batch has that column: -1 for all)."""
+    if "doc" in batch:
+        return [bytes(d) for d in batch["doc"]]
+    limits = batch["limit"] if "limit" in batch else [-1] * len(batch["path"])
+    return [read_bytes(str(p), int(n)) for p, n in zip(batch["path"], limits, strict=True)]
 
 
 def windows(tokens: np.ndarray, block: int) -> np.ndarray:
@@ -300,9 +307,14 @@ class GPTTask:
         return self._file_sources(root, text)
 
     def _file_sources(self, root: str, files: list[str]) -> dict[str, Source]:
-        """Text files, one document each, split by their path; ``max_bytes`` caps train."""
+        """Text files, one document each, split by their path; ``max_bytes`` caps train.
+        Too few files for both splits: split by window (``_window_sources``)."""
         fs, _ = filesystem(self.corpus if self.corpus != "stdlib" else root)
         sizes = {i.path: i.size for i in fs.get_file_info(files)}
+        if all(sizes[f] == 0 for f in files):
+            raise SourceError(
+                f"task_args.corpus: {self.corpus} holds no text: its {len(files)} file(s) are empty"
+            )
         splits: dict[str, list[str]] = {"train": [], "val": []}
         taken = {"train": 0, "val": 0}
         cap = self.max_bytes
@@ -315,15 +327,41 @@ class GPTTask:
             splits[split].append(path)
             taken[split] += sizes[path] or 0
         if not splits["train"] or not splits["val"]:
-            raise SourceError(
-                f"task_args.corpus: {self.corpus} has too few files ({len(files)}) for a "
-                f"train/val split of {self.val_percent}%"
-            )
+            return self._window_sources(root, files, sizes)
         # As URIs where remote: preprocess opens each from whichever node runs it.
         return {
             k: {"path": np.array([as_uri(like=self.corpus, path=f) for f in v])}
             for k, v in splits.items()
         }
+
+    def _window_sources(
+        self, root: str, files: list[str], sizes: dict[str, int | None]
+    ) -> dict[str, Source]:
+        """Text files too few to split by path (one, say): both splits in one RowSplit of
+        the files, whose windows go to val by a hash of the file's path under ``root`` and
+        their place in it. Each file is preprocessed alone; the files are taken in path
+        order up to ``max_bytes`` plus ``val_percent`` of it, the last one cut short."""
+        cap = self.max_bytes
+        budget = None if cap is None else cap + cap * self.val_percent // 100
+        paths, names, limits, taken = [], [], [], 0
+        for path in files:
+            limit = -1  # the whole file
+            if budget is not None:
+                if taken >= budget:
+                    break
+                limit, size = budget - taken, sizes[path]
+                taken += limit if size is None else min(limit, size)
+            paths.append(as_uri(like=self.corpus, path=path))
+            names.append(path[len(root) :].lstrip("/"))
+            limits.append(limit)
+        n = len(files)
+        what = (
+            f"task_args.corpus {self.corpus} ({n} text file{'s' if n > 1 else ''}, too few "
+            "to split by file)"
+        )
+        columns = {"path": np.array(paths), "file": np.array(names), "limit": np.array(limits)}
+        both = RowSplit(columns, "file", self.val_percent, what, outputs="window")
+        return {"train": both, "val": both}
 
     def _row_sources(self, root: str, files: list[str]) -> dict[str, Source]:
         """JSONL or parquet rows, read in parallel by Ray Data. Split by file where the

@@ -68,7 +68,8 @@ def page(results: list[dict[str, Any]]) -> str:
         "`benchmarks/results/*.json` by `benchmarks/render_results.py`; a new run "
         "replaces its section (the old numbers live in git). How to run them, and what "
         "each baseline is: `benchmarks/README.md`. Earlier measurements, each with its "
-        "machine, are on the [Measured](measured.md) page.\n",
+        "machine, are on the [Measured (history)](measured.md) page; where they differ, "
+        "this page is current.\n",
     ]
     for r in results:
         parts.append(f"## `{r['benchmark']}`: {r['title']}\n")

@@ -734,19 +734,9 @@ def _bundle_sum(pg: dict[str, Any]) -> dict[str, float]:
 
 def _failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> str:
     group = _worker_group_error(exc)
-    if group is not None:  # which rank, and its traceback: printed here, once
-        from raylift.faults import Crash, cause, died, primary
-
-        rank, failed = primary(dict(group.worker_failures))
-        what, node = cause(failed)
-        # A dead process has no traceback of its own (the controller showed the end of its
-        # stderr); an exception in the task's code has.
-        crash = Crash.find(failed, tracking, rank) if died(failed) else None
-        what = crash.how() if crash is not None else what
-        where = f" on node {node}" if node else ""
-        root: BaseException = failed
-        head = f"training run {cfg.name!r} failed: worker rank {rank}{where}: {what}"
-        trace = "" if died(failed) else _snippet(group, rank)
+    if group is not None:  # which ranks, and their tracebacks: printed here, once
+        root, what, trace = _group_failure(group, tracking)
+        head = f"training run {cfg.name!r} failed: {what}"
     else:
         root = exc
         while root.__cause__ is not None:
@@ -797,12 +787,58 @@ def _worker_group_error(exc: BaseException) -> Any:
     return None
 
 
-def _snippet(group: Any, rank: int) -> str:
-    """The traceback Ray Train kept of ``rank``'s exception (its exceptions come back to
-    the driver without one)."""
-    found = re.search(
-        rf"\[Rank {rank} Error Snippet\]:\n(.*?)(?=\n\[Rank \d+ Error Snippet\]:|\Z)",
-        str(group),  # Ray Train's message: the ranks' snippets, after one line of its own
-        re.DOTALL,
-    )
-    return found.group(1).strip() if found else ""
+# Ray Train's message: one line of its own, then a snippet per group of ranks whose errors
+# read alike but for numbers, headed "[Rank 0,1 Error Snippet]:" (its poll.py).
+_SNIPPET = re.compile(r"^\[Ranks? ([\d, -]+) Error Snippet\]:\n", re.MULTILINE)
+
+
+def _snippets(group: Any) -> list[tuple[list[int], str]]:
+    """(ranks, traceback) for each distinct error Ray Train kept a traceback of: the
+    ranks' exceptions come back to the driver without theirs."""
+    parts = _SNIPPET.split(str(group))  # Ray's line, then each snippet's ranks and text
+    return [(_ranks(r), t.strip()) for r, t in zip(parts[1::2], parts[2::2], strict=True)]
+
+
+def _ranks(text: str) -> list[int]:
+    """``0,1`` (Ray's), or ``0-3,5``: ranges, should a later Ray write them."""
+    out: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        out.extend(range(int(low), int(high or low) + 1))
+    return out
+
+
+def _label(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 0,1``, or ``ranks 0-63``: a run's many ranks in a line."""
+    spans: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    parts = [f"{a}" if a == b else f"{a},{b}" if b == a + 1 else f"{a}-{b}" for a, b in spans]
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + ",".join(parts)
+
+
+def _group_failure(group: Any, tracking: Any) -> tuple[BaseException, str, str]:
+    """(the first failed rank's exception, which ranks failed and how, their tracebacks)."""
+    from raylift.faults import Crash, cause, died, primary
+
+    rank, failed = primary(dict(group.worker_failures))
+    what, node = cause(failed)
+    where = f" on node {node}" if node else ""
+    if died(failed):
+        # A dead process has no traceback of its own (the controller showed the end of its
+        # stderr), and the other ranks' errors are what its death did to them.
+        crash = Crash.find(failed, tracking, rank)
+        return failed, f"worker rank {rank}{where}: {crash.how() if crash else what}", ""
+    snippets = _snippets(group)
+    if len(snippets) == 1:  # every failed rank alike: all named, the traceback once
+        ranks, trace = snippets[0]
+        return failed, f"worker {_label(ranks)}{where}: {what}", trace
+    head = f"worker rank {rank}{where}: {what}"
+    if not snippets:  # a message Ray no longer writes as it did: the line alone
+        return failed, head, ""
+    everyone = [r for ranks, _ in snippets for r in ranks]
+    head += f"; {_label(everyone)} failed, with {len(snippets)} different errors"
+    return failed, head, "\n".join(f"[{_label(ranks)}]\n{trace}" for ranks, trace in snippets)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -176,3 +177,101 @@ def test_the_trainer_starts_no_dataset_manager_for_a_run_without_ray_datasets() 
     assert {"BackendSetupCallback", "PlacementGroupCleanerCallback"} <= set(names), names
     trainer.datasets = {"train": object()}  # a run that passes datasets keeps Ray's path
     assert "DatasetsCallback" in [type(cb).__name__ for cb in trainer._create_default_callbacks()]
+
+
+def rays_error(raised: dict[int, BaseException]) -> Exception:
+    """The WorkerGroupError Ray Train's controller raises for these ranks' exceptions,
+    made by Ray's own code: each wrapped with its traceback as a worker wraps it, the
+    message grouped by Ray's poll status, the exceptions unwrapped, as they come back."""
+    import traceback
+
+    from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.execution.worker_group.poll import (
+        WorkerGroupPollStatus,
+        WorkerStatus,
+    )
+
+    def wrapped(exc: BaseException) -> UserExceptionWithTraceback:
+        return UserExceptionWithTraceback(exc, "".join(traceback.format_exception(exc)))
+
+    statuses = {r: WorkerStatus(running=False, error=wrapped(e)) for r, e in raised.items()}
+    return WorkerGroupPollStatus(statuses).get_worker_group_error()
+
+
+def raised(call: Any, *args: Any) -> BaseException:
+    try:
+        call(*args)
+    except Exception as exc:
+        return exc
+    raise AssertionError("it did not raise")
+
+
+def load_batch(step: int) -> None:
+    raise IndexError(f"index {step} is out of bounds for axis 0 with size 3")
+
+
+def build_head() -> None:
+    raise KeyError("head")
+
+
+def test_ranks_that_fail_differently_each_show_their_traceback_under_their_ranks() -> None:
+    from raylift.launch import _failure_message
+
+    group = rays_error(
+        {
+            0: raised(load_batch, 3),
+            1: raised(build_head),
+            2: raised(load_batch, 4),  # alike but for a number: Ray groups it
+        }
+    )
+    said = _failure_message(group, make_config(name="r"))
+    head, *lines = said.splitlines()
+    assert head == (
+        "training run 'r' failed: worker rank 0: IndexError: index 3 is out of bounds for "
+        "axis 0 with size 3; ranks 0-2 failed, with 2 different errors"
+    )
+    assert lines.index("[ranks 0,2]") < lines.index("[rank 1]")
+    assert said.count("in load_batch") == 1 and said.count("in build_head") == 1
+    assert said.count("IndexError: index 3 is out of bounds") == 2  # the head, its traceback
+    assert "KeyError: 'head'" in lines and "Error Snippet" not in said
+    assert lines[-1].startswith("  fix the cause and rerun")
+
+
+def test_ranks_that_fail_alike_are_named_with_their_one_traceback() -> None:
+    from raylift.launch import _failure_message
+
+    group = rays_error({r: raised(load_batch, 3) for r in (0, 1, 2, 3, 5)})
+    said = _failure_message(group, make_config(name="r"))
+    assert said.splitlines()[0] == (
+        "training run 'r' failed: worker ranks 0-3,5: IndexError: index 3 is out of bounds "
+        "for axis 0 with size 3"
+    )
+    assert said.count("in load_batch") == 1 and said.splitlines()[1].startswith("Traceback")
+
+
+def test_rank_groups_are_read_as_ray_writes_them_and_ranges_should_it_write_them() -> None:
+    from raylift.launch import _label, _ranks
+
+    assert _ranks("0,1") == [0, 1] and _ranks("7") == [7]
+    assert _ranks("0-3, 5") == [0, 1, 2, 3, 5]
+    assert _label([1]) == "rank 1" and _label([1, 0]) == "ranks 0,1"
+    assert _label([0, 1, 2, 4, 5, 9]) == "ranks 0-2,4,5,9"
+
+
+def test_a_failed_runs_message_and_tracebacks_go_to_the_runs_log_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``raylift train`` prints of a failed run: on the console and in its log file."""
+    import io
+    import sys
+
+    from raylift import console
+    from raylift.cli import _run_error
+    from raylift.launch import RunFailed, _failure_message
+
+    screen, log = io.StringIO(), tmp_path / "run.log"
+    monkeypatch.setattr(sys, "stderr", console.Router(screen, console.DriverSink(log)))
+    said = _failure_message(rays_error({0: raised(build_head)}), make_config(name="r"))
+    assert _run_error(RunFailed(said)) == 1
+    assert "in build_head" in said
+    assert screen.getvalue() == log.read_text() == f"raylift: {said}\n"

@@ -87,6 +87,10 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     """A save into a bucket that is gone, against the S3 server; then the driver's account
     of a worker that failed so (Ray Train's own wrappers): one line, exit 2."""
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
+    from ray.train.v2._internal.execution.worker_group.poll import (
+        WorkerGroupPollStatus,
+        WorkerStatus,
+    )
     from ray.train.v2.api.exceptions import WorkerGroupError
 
     from raylift.launch import _failure_message, _root
@@ -110,8 +114,10 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     assert said.startswith("storage s3://gone/runs: saving checkpoint-step00000004 failed: ")
     assert "gone" in said.split("failed: ", 1)[1]  # the store's own message names the bucket
     assert "\n" not in said and said.endswith("resumes from the newest complete checkpoint")
+    # Ray Train's controller's error, made by its own code from the worker's wrapper.
     wrapped = UserExceptionWithTraceback(caught.value, "Traceback ...")
-    group = WorkerGroupError("rank 0 failed", {0: wrapped})
+    group = WorkerGroupPollStatus({0: WorkerStatus(False, wrapped)}).get_worker_group_error()
+    assert isinstance(group, WorkerGroupError) and group.worker_failures == {0: caught.value}
     line = _failure_message(group, make_config(name="r"))
     assert line == f"training run 'r' failed: {said}"
     assert _root(group, StorageError) is caught.value

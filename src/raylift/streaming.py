@@ -29,10 +29,13 @@ if TYPE_CHECKING:
     from raylift.checkpoint import CheckpointReader
 
 PREFIX = "model."  # raylift's DCP state: {"model": ..., "optim": ...}
+# safetensors' names for every dtype it stores.
 CODES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL",
 }  # fmt: skip
 
 
@@ -163,7 +166,14 @@ def write_safetensors(
             got, tensor = next(tensors)
             if got.name != spec.name:
                 raise RuntimeError(f"expected tensor {spec.name}, got {got.name}")
-            out.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            out.write(raw_bytes(tensor))
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """A tensor's bytes as safetensors lays them out: C order, little-endian. Flattened
+    first: a 0-dim tensor (BatchNorm's ``num_batches_tracked``) has no view of another
+    element size."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def shard_plan(specs: list[Spec], max_bytes: int) -> list[list[Spec]]:

@@ -30,9 +30,11 @@ from raylift.adapters import (
     peft_key,
     saved_whole,
     targets,
+    transposed_layers,
 )
 from raylift.checkpoint import CheckpointError
 from raylift.export import each_tensor, hf_config_of, shard_bytes
+from raylift.hf_layout import Layout
 from raylift.streaming import CODES, Spec, write_hf_shards, write_safetensors
 from raylift.weights import header_entries, raw_header, weight_files, weights_path
 
@@ -157,7 +159,10 @@ def merged_model(path: str, cfg: Any, task: Any, fmt: str) -> tuple[str, Merged]
 
     ckpt, _ = each_tensor(path, keep)
     wanted = cfg.model.adapter
-    return ckpt, Merged(base, trained, wanted.alpha / wanted.r)
+    with torch.device("meta"):
+        model = task.build_model()
+    scale = wanted.alpha / wanted.r
+    return ckpt, Merged(base, trained, scale, Layout(model), transposed_layers(model))
 
 
 def export_merged_file(path: str, out: Path, cfg: Any, task: Any, fmt: str) -> tuple[str, int]:
@@ -191,15 +196,21 @@ def export_merged(
 class Merged:
     """The base's tensors, each read when its turn comes, with its adapter merged in."""
 
-    def __init__(self, base: str, trained: dict[str, torch.Tensor], scale: float):
-        self.trained, self.scale = trained, scale
+    def __init__(
+        self, base: str, trained: dict[str, torch.Tensor], scale: float, layout: Layout,
+        transposed: set[str] | None = None,
+    ):  # fmt: skip
+        self.trained, self.scale, self.layout = trained, scale, layout
+        self.transposed = transposed or set()  # GPT-2's Conv1D: weights stored (in, out)
         self.where: dict[str, tuple[str, int, int]] = {}  # name -> file, first byte, end
         self.specs: list[Spec] = []
         for file in sorted(set(weight_files(base).values())):
             for name, (dtype, shape, start, end) in _entries(file).items():
                 self.specs.append(Spec(name, shape, dtype, name))
                 self.where[name] = (file, start, end)
-        known = {s.name for s in self.specs}
+        # The checkpoint names tensors as the model does, the base's files as they were
+        # saved (transformers renames and fuses some as it loads: raylift.hf_layout).
+        known = {layout.model_name(s.name)[0] for s in self.specs}
         lost = [n for n in trained if not is_adapter(n) and n not in known]
         if lost:
             raise CheckpointError(f"the checkpoint's {lost[0]} is not a tensor of the base {base}")
@@ -209,20 +220,24 @@ class Merged:
             yield spec, self._merged(spec)
 
     def _merged(self, spec: Spec) -> torch.Tensor:
-        if spec.name in self.trained:  # trained whole (modules_to_save)
-            return self.trained[spec.name].to(spec.dtype)
+        name, joined = self.layout.model_name(spec.name)
+        if name in self.trained:  # trained whole (modules_to_save)
+            whole = self.trained[name]
+            return (self.layout.split(name, whole)[spec.name] if joined else whole).to(spec.dtype)
         file, start, end = self.where[spec.name]
         fs, where = storage.filesystem(file)
         with fs.open_input_file(where) as f:
             data = bytearray(f.read_at(end - start, start))
         tensor = torch.frombuffer(data, dtype=spec.dtype).view(spec.shape) if data else (
             torch.empty(spec.shape, dtype=spec.dtype))  # fmt: skip
-        module = spec.name.removesuffix(".weight")
+        module = name.removesuffix(".weight")
         a = self.trained.get(f"{module}.lora_A.{ADAPTER_NAME}.weight")
         b = self.trained.get(f"{module}.lora_B.{ADAPTER_NAME}.weight")
         if a is None or b is None:
             return tensor
         delta = self.scale * (b.float() @ a.float())
+        if module in self.transposed:
+            delta = delta.T
         return (tensor.float() + delta).to(spec.dtype)
 
 

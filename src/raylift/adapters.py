@@ -78,13 +78,29 @@ def output_head(model: nn.Module) -> nn.Module | None:
     return linears[-1] if linears else None
 
 
+def is_linear(module: nn.Module) -> bool:
+    """A layer LoRA adapts as PEFT's ``all-linear`` does: ``nn.Linear``, or transformers'
+    ``Conv1D`` (GPT-2's: a linear layer whose weight is stored transposed)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def transposed_layers(model: nn.Module) -> set[str]:
+    """The names of the adapted layers whose weight is (in, out): PEFT's fan_in_fan_out,
+    where a merged adapter's B @ A is added transposed."""
+    return {n for n, m in model.named_modules() if is_conv1d(m)}
+
+
 def targets(model: nn.Module, wanted: str | list[str]) -> list[str]:
     """The full names of the modules that get an adapter: every ``nn.Linear`` but the
     output head (``all-linear``), or those a name in ``wanted`` matches (the full name,
     or its last parts)."""
     if wanted == "all-linear":
         head = output_head(model)
-        return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+        return [n for n, m in model.named_modules() if is_linear(m) and m is not head]
     names = [n for n, _ in model.named_modules() if n]
     return [n for n in names if any(n == w or n.endswith(f".{w}") for w in wanted)]
 

@@ -28,6 +28,7 @@ from raylift.checkpoint import (
     newest_complete,
     previous_complete,
 )
+from raylift.hf_layout import Layout, of_task
 from raylift.strategies import REGISTRY
 from raylift.streaming import Spec, write_hf_shards, write_safetensors
 
@@ -173,11 +174,33 @@ def export_hf(
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
 
+    layout = of_task(task)
+
     def write(specs: list[Spec], tensors: Iterator[tuple[Spec, torch.Tensor]]) -> int:
-        write_hf_shards(out, specs, tensors, limit)
-        return len(specs)
+        saved = as_saved(layout, specs)
+        write_hf_shards(out, saved, saved_tensors(layout, tensors), limit)
+        return len(saved)
 
     return each_tensor(path, write)
+
+
+def as_saved(layout: Layout, specs: list[Spec]) -> list[Spec]:
+    """The model's specs as ``save_pretrained`` names and shapes them (per-expert
+    tensors apart again, old names back), each model tensor's in a row."""
+    out = []
+    for spec in specs:
+        for name, shape in layout.file_shapes({spec.name: tuple(spec.shape)})[spec.name].items():
+            out.append(dataclasses.replace(spec, name=name, shape=list(shape)))
+    return out
+
+
+def saved_tensors(
+    layout: Layout, tensors: Iterator[tuple[Spec, torch.Tensor]]
+) -> Iterator[tuple[Spec, torch.Tensor]]:
+    """``tensors`` as :func:`as_saved` lays them out, one model tensor read at a time."""
+    for spec, tensor in tensors:
+        for name, part in layout.split(spec.name, tensor).items():
+            yield dataclasses.replace(spec, name=name, shape=list(part.shape)), part.contiguous()
 
 
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

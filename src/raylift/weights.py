@@ -29,10 +29,15 @@ from torch import nn
 from raylift import storage
 from raylift.adapters import base_name, is_adapter
 from raylift.data.sources import SourceError
+from raylift.hf_layout import Layout
 from raylift.init import Writer
 
 # A model's tensors as a weights file names them: (model, named tensors) -> (name, tensor).
 NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
+
+# Model tensor name -> (the name it is loaded as: its own or a tied twin's, and the
+# ``file::tensor`` entries it is made of, in order).
+Plan = dict[str, tuple[str, list[str]]]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -159,33 +164,43 @@ def base_tensors(model: nn.Module, named: Any) -> Iterator[tuple[str, Any]]:
 
 def check(
     model: nn.Module, path: str, named_as: NamedAs | None = None, key: str = "model.weights"
-) -> dict[str, str]:
-    """Every tensor of ``model`` (as ``named_as`` names them) in the files at its shape,
-    and nothing else; the name -> file map to load from. WeightsError names what is
-    wrong, and the config ``key`` that gave the files."""
+) -> Plan:
+    """Every tensor of ``model`` (as ``named_as`` names them) made from the files at its
+    shape, and nothing else in them; the plan to load from. A Hugging Face model's files
+    are read by transformers' own rules for its architecture (:mod:`raylift.hf_layout`:
+    renamed keys, per-expert tensors fused); adapters' files (``named_as``) as named.
+    WeightsError names what is wrong, and the config ``key`` that gave the files."""
     found = file_shapes(weight_files(path))
+    layout = Layout(model if named_as is None else None)
+    groups = layout.group(found)
     shapes, aliases = expected(model, named_as)
     known = set(shapes) | {a for names in aliases.values() for a in names}
-    extra = sorted(set(found) - known)
+    extra = sorted(f for name, files in groups.items() if name not in known for f in files)
     if extra:
         raise WeightsError(
             f"{key}: tensor {extra[0]} in {found[extra[0]][1]} is not in the "
             f"task's model ({len(extra)} such); check that the weights are for this "
             "model and its task_args"
         )
-    source: dict[str, str] = {}
+    plan: Plan = {}
     for name, shape in shapes.items():
-        have = next((n for n in [name, *aliases.get(name, [])] if n in found), None)
+        have = next((n for n in [name, *aliases.get(name, [])] if n in groups), None)
         if have is None:
             raise WeightsError(f"{key}: tensor {name} (shape {list(shape)}) is missing from {path}")
-        got, file = found[have]
+        parts = {f: found[f][0] for f in groups[have]}
+        got = layout.joined_shape(have, parts) if layout.converts else next(iter(parts.values()))
         if got != shape:
+            first = groups[have][0]
             raise WeightsError(
-                f"{key}: tensor {have} in {file} has shape {list(got)}, the model's "
-                f"is {list(shape)}; check task_args against the weights' config"
+                f"{key}: tensor {first} in {found[first][1]} makes {have} of shape "
+                f"{list(got)}, the model's is {list(shape)}; check task_args against the "
+                "weights' config"
+                if layout.converts
+                else f"{key}: tensor {have} in {found[have][1]} has shape {list(got)}, the "
+                f"model's is {list(shape)}; check task_args against the weights' config"
             )
-        source[name] = have
-    return {name: f"{found[have][1]}::{have}" for name, have in source.items()}
+        plan[name] = (have, [f"{found[f][1]}::{f}" for f in groups[have]])
+    return plan
 
 
 def absolute(weights: str | None) -> str | None:
@@ -248,29 +263,25 @@ def load(
     key: str = "model.weights",
 ) -> None:
     """Collective: rank 0 reads each tensor (the model's as ``named_as`` names them: the
-    base's, by default), every rank writes its share of it."""
-    named_as = named_as or base_tensors
+    base's, by default; a fused one from each of its files' tensors), every rank writes
+    its share of it."""
     import torch.distributed as dist
-    from safetensors import safe_open
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    layout = Layout(model if named_as is None else None)  # as check() reads the files
     with contextlib.ExitStack() as stack:
         # Rank 0 alone reads: only it needs the files on its machine.
         local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
         shared: list[Any] = [check(model, local, named_as, key) if rank == 0 else {}]
+        named_as = named_as or base_tensors
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
-        plan: dict[str, str] = shared[0]
+        plan: Plan = shared[0]
         params = dict(named_as(model, model.named_parameters()))
         buffers = dict(named_as(model, model.named_buffers()))
-        opened: dict[str, Any] = {}
-        for name, where in plan.items():
-            file, key = where.split("::", 1)
-            value = None
-            if rank == 0:
-                if file not in opened:
-                    opened[file] = stack.enter_context(safe_open(file, framework="pt"))
-                value = opened[file].get_tensor(key)
+        read = _Reader(stack)
+        for name, (have, parts) in plan.items():
+            value = layout.join(have, read(parts)) if rank == 0 else None
             target = params[name] if name in params else buffers[name]
             value = _broadcast(value, tuple(getattr(target, "ds_shape", target.shape)))
             if name in params:
@@ -278,6 +289,24 @@ def load(
             else:
                 with torch.no_grad():
                     buffers[name].copy_(value)
+
+
+class _Reader:
+    """File tensors by ``file::name``, each file opened once for the whole load."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack, self.opened = stack, {}  # type: ignore[var-annotated]
+
+    def __call__(self, parts: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        for where in parts:
+            file, name = where.split("::", 1)
+            if file not in self.opened:
+                self.opened[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+            out[name] = self.opened[file].get_tensor(name)
+        return out
 
 
 def _broadcast(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:

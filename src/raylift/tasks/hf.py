@@ -20,6 +20,7 @@ the initial weights are the model's own ``_init_weights``, applied module by mod
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,11 @@ class HFCausalLM(GPTTask):
                 "at run time: fetch it once (huggingface-cli download NAME --local-dir DIR) "
                 "and pass DIR, or give an inline config {model_type: ..., ...}"
             )
+        # The model's module imported now, outside any deepspeed.zero.Init: classes
+        # defined inside one get their __init__ wrapped, and unwrapped to the one they had
+        # at definition when it ends, which drops a decorator's (transformers' MoE experts
+        # set their config in theirs) for the rest of the process.
+        tf.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config)]
         if self.tokenizer is None and self.config.vocab_size < 256:
             raise ValueError(
                 f"task_args.model: vocab_size {self.config.vocab_size} < 256; without a "
@@ -116,7 +122,18 @@ class HFCausalLM(GPTTask):
     def build_model(self) -> nn.Module:
         # Initialised by its own _init_weights, module by module, as any Hugging Face
         # model a task returns is (raylift.init).
-        return _transformers().AutoModelForCausalLM.from_config(self.config)
+        tf = _transformers()
+        if not _partitioned_as_built():
+            return tf.AutoModelForCausalLM.from_config(self.config)
+        # As transformers builds under ZeRO-3: its init would index into parameters that
+        # zero.Init has already partitioned to nothing (an embedding's padding_idx row).
+        # raylift draws every module's weights after, gathered one module at a time.
+        from transformers.initialization import no_init_weights
+
+        with no_init_weights():
+            model = tf.AutoModelForCausalLM.from_config(self.config)
+        model.tie_weights()  # what init_weights does besides drawing, skipped with it
+        return model
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         names = set(getattr(model, "_no_split_modules", None) or ())
@@ -142,7 +159,8 @@ class HFCausalLM(GPTTask):
     # ------------------------------------------------------------ steps
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return self.criterion(model(input_ids=batch["tokens"][:, :-1]).logits, batch)
+        out = model(input_ids=batch["tokens"][:, :-1])
+        return with_router_loss(self.criterion(out.logits, batch), out, self.config)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         if self.tokenizer is None:
@@ -158,6 +176,23 @@ class HFCausalLM(GPTTask):
             logits.reshape(-1, self.vocab), target.reshape(-1), reduction="sum"
         )
         return {"loss_sum": loss_sum, "count": torch.tensor(target.numel(), device=target.device)}
+
+
+def with_router_loss(loss: torch.Tensor, out: Any, config: Any) -> torch.Tensor:
+    """A mixture of experts' load-balancing loss added as transformers adds it when given
+    labels: ``router_aux_loss_coef`` x ``aux_loss``, where the config asks for the
+    router's logits (``output_router_logits``)."""
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return loss
+    return loss + float(getattr(config, "router_aux_loss_coef", 0.0)) * aux.to(loss.dtype)
+
+
+def _partitioned_as_built() -> bool:
+    """Inside ``deepspeed.zero.Init`` (ZeRO-3): each parameter is partitioned as its
+    module's constructor returns. DeepSpeed counts the nested contexts it is in."""
+    zero = sys.modules.get("deepspeed.runtime.zero.partition_parameters")
+    return bool(getattr(zero, "zero_init_context", 0))
 
 
 def tokenizer_digest(folder: Path) -> str:

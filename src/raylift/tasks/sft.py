@@ -37,7 +37,7 @@ from raylift.tasks.chat import (
     pack,
 )
 from raylift.tasks.gpt import corpus_infos
-from raylift.tasks.hf import HFCausalLM, tokenizer_digest
+from raylift.tasks.hf import HFCausalLM, tokenizer_digest, with_router_loss
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 COLUMNS = ("input_ids", "labels", "position_ids", "example")
@@ -185,15 +185,18 @@ class HFSFT(HFCausalLM):
         return {k: batch[k].long() for k in COLUMNS}
 
     def logits(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        return self._forward(model, batch).logits
+
+    def _forward(self, model: nn.Module, batch: Batch) -> Any:
         # No attention mask: the model finds each example from its restarting position
         # ids and keeps it apart (transformers' packed-sequence masks).
-        out = model(
+        return model(
             input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
         )
-        return out.logits
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        return self.criterion(self.logits(model, batch), batch)
+        out = self._forward(model, batch)
+        return with_router_loss(self.criterion(out.logits, batch), out, self.config)
 
     def criterion(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Mean over the trained tokens: masked ones neither add to it nor count (a batch

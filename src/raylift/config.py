@@ -301,8 +301,8 @@ class AdapterConfig:
     r: int = 8  # the rank of each adapter's two matrices
     alpha: float = 16.0  # the adapter's output is scaled by alpha / r
     dropout: float = 0.0  # dropout on the adapter's input
-    # all-linear: every nn.Linear but the output head; or a list of module names (a name
-    # matches a module whose full name is it or ends in .name)
+    # all-linear: every nn.Linear (and GPT-2's Conv1D) but the output head; or a list of
+    # module names (a name matches a module whose full name is it or ends in .name)
     target_modules: str | list[str] = "all-linear"
     # modules trained whole beside the adapters (the embeddings, say), by name as above
     modules_to_save: list[str] = dataclasses.field(default_factory=list)

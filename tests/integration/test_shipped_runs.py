@@ -1,0 +1,143 @@
+"""Every shipped config run to its very end as a user runs it (``raylift train``, or
+``raylift tune`` for the sweep), a few steps each: trained, checkpointed, the model logged
+to MLflow, and the logged model loaded back with the weights the run ended with. Then
+the zoo's hardest cases through the same command: a mixture of experts under ZeRO-3, and
+a Llama with ``pad_token_id`` under ZeRO-3 with LoRA."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import finish_output
+from tests.integration.test_train import OURS, cli_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+# quickstart.yaml runs to its end in test_mlflow_models.py: logged, registered, and
+# trained again from the registered model.
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if p.name != "quickstart.yaml")
+SHORT = ["train.max_steps=3", "train.early_stopping=null", "train.eval_every_n_steps=3"]
+# What each config needs to be a few steps on this machine; nothing else is changed.
+SMALL = {
+    "gpt": ["task_args.max_bytes=150000", "task_args.block_size=32"],
+    "images": ["data.batch_size=8"],  # and the image folder, below
+    "digits": [],
+}
+
+
+def command(folder: Path, *args: str) -> str:
+    """``raylift ARGS`` in ``folder`` on the session's Ray; its console, which must be
+    raylift's lines only."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "raylift.cli", *args], cwd=folder, env=cli_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out, _ = finish_output(proc, " ".join(args[:2]))
+    assert proc.returncode == 0, out[-4000:]
+    if args[0] == "train":  # a sweep adds its table of trials
+        assert not [x for x in out.splitlines() if not x.startswith(OURS)], out
+    return str(out)
+
+
+def logged_model(out: str, folder: Path) -> Path:
+    """The model the run logged, downloaded from the run's MLflow store."""
+    import mlflow
+
+    found = re.search(r"raylift: model logged to MLflow as (models:/\S+) ", out)
+    assert found, out
+    mlflow.set_tracking_uri(f"sqlite:///{folder / 'mlflow.db'}")
+    return Path(mlflow.artifacts.download_artifacts(found.group(1), dst_path=str(folder / "m")))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.corpora import write_image_folder
+
+    return write_image_folder(tmp_path_factory.mktemp("images") / "shapes", per_class=24, size=24)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_shipped_config_runs_to_its_end(
+    ray_cluster: str, path: Path, images: Path, tmp_path: Path
+) -> None:
+    import yaml
+
+    from raylift.export import consolidated_state_dict
+    from raylift.tasks import build_task
+
+    raw = yaml.safe_load(path.read_text())
+    more = [*SHORT, *SMALL.get(raw["task"], []), "scaling.cpus_per_worker=0.5"]
+    if raw["task"] == "images":
+        more.append(f"task_args.root={images}")
+    if "tune" in raw:
+        more += ["tune.num_samples=1", "tune.max_concurrent=1"]
+        out = command(tmp_path, "tune", str(path), *more)
+    else:
+        out = command(tmp_path, "train", str(path), *more)
+    folder = logged_model(out, tmp_path)
+    weights = next(folder.rglob("model.safetensors"))
+    from safetensors.torch import load_file
+
+    logged = load_file(str(weights))
+    cfg = yaml.safe_load(next(folder.rglob("config.yaml")).read_text())
+    model = build_task(cfg["task"], cfg["task_args"]).build_model()
+    # Every tensor, BatchNorm's counters too; a tied weight once, as safetensors keeps it.
+    missing, unexpected = model.load_state_dict(logged, strict=False)
+    assert not unexpected, unexpected
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name in missing:
+        assert any(params[name] is params[n] for n in logged if n in params), name
+    ckpt = re.search(r"raylift: checkpoint (\S+)", out)
+    if ckpt:  # a train run names its final checkpoint: the logged model is its weights
+        final = consolidated_state_dict(ckpt.group(1))
+        for name, tensor in logged.items():
+            torch.testing.assert_close(tensor.float(), final[name].float(), msg=name)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "llama-pad"])
+def test_a_zoo_model_trains_under_zero3_logs_and_loads_back(
+    ray_cluster: str, arch: str, tmp_path: Path
+) -> None:
+    """Mixtral's fused experts, full fine-tune; Llama's pad row, with LoRA; both ZeRO-3."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from tests.zoo import save_zoo, zoo_config
+
+    folder = save_zoo(tmp_path / "zoo", [arch])[arch]
+    zero3 = {"name": "deepspeed", "zero_stage": 3}
+    cfg = zoo_config(folder, zero3, lora=arch == "llama-pad")
+    cfg.update(name=arch, storage=str(tmp_path / "runs"))
+    cfg["scaling"] = {"num_workers": 2, "cpus_per_worker": 0.5}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    out = command(tmp_path, "train", "run.yaml", "checkpoint.every_n_steps=null")
+    logged = logged_model(out, tmp_path)
+    if arch == "llama-pad":  # the adapters alone, on the folder's base
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+        model = PeftModel.from_pretrained(
+            base, str(next(logged.rglob("adapter_config.json")).parent)
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            next(logged.rglob("config.json")).parent, local_files_only=True
+        )
+    # The same weights as the run's own export of its final checkpoint (merged for LoRA).
+    from raylift.cli import main
+
+    merged = tmp_path / "merged"
+    assert (
+        main(["export", str(tmp_path / "runs" / arch), "--format", "hf", "--out", str(merged)]) == 0
+    )
+    exported = AutoModelForCausalLM.from_pretrained(merged, local_files_only=True).eval()
+    tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model.eval()(input_ids=tokens).logits, exported(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -34,12 +34,15 @@ class Layout:
     def __init__(self, model: nn.Module | None):
         self.owner = None if model is None else pretrained_root(model)
         self._forward: list[Any] = []
+        self._renamings: list[Any] = []
+        self._converters: list[Any] = []
         if self.owner is not None:
             from transformers.conversion_mapping import get_model_conversion_mapping
 
             # As from_pretrained loads (older names included: add_legacy).
             with _as_built(self.owner):
                 self._forward = get_model_conversion_mapping(self.owner)
+            self._renamings, self._converters = _split(self._forward)
 
     @property
     def converts(self) -> bool:
@@ -51,8 +54,7 @@ class Layout:
             return file_name, False
         from transformers.core_model_loading import rename_source_key
 
-        renamings, converters = _split(self._forward)
-        renamed, pattern = rename_source_key(file_name, renamings, converters)
+        renamed, pattern = rename_source_key(file_name, self._renamings, self._converters)
         return renamed, pattern is not None
 
     def group(self, file_names: Iterable[str]) -> dict[str, list[str]]:
@@ -71,13 +73,12 @@ class Layout:
                 return tensor
         from transformers.core_model_loading import rename_source_key
 
-        renamings, converters = _split(self._forward)
         converter = None
         for file_name in sorted(parts, key=_natural):
-            renamed, pattern = rename_source_key(file_name, renamings, converters)
+            renamed, pattern = rename_source_key(file_name, self._renamings, self._converters)
             assert pattern is not None, f"{file_name} joins no other tensor"
             if converter is None:  # its own copy: a converter collects what it joins
-                converter = copy.deepcopy(_by_pattern(converters)[pattern])
+                converter = copy.deepcopy(_by_pattern(self._converters)[pattern])
             converter.add_tensor(renamed, file_name, pattern, parts[file_name])
         assert converter is not None and self.owner is not None
         made = converter.convert(name, model=self.owner, config=self.owner.config)

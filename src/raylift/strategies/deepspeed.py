@@ -47,6 +47,7 @@ from raylift.strategies.zero_layout import (
     Located,
     fed,
     locate,
+    saved_groups,
     saved_step,
     share,
     write_settings,
@@ -554,7 +555,7 @@ class DeepSpeedEngine:
             ]
             saved = locate(loaded[min(shared, key=_rank_order)], parts)
             got = share(self.ds.optimizer, stage, saved)
-            step = saved_step(parts)
+            step, groups = saved_step(parts), saved_groups(parts)
         except CheckpointError as exc:
             problem = str(exc)
         files.agree(problem)
@@ -566,7 +567,7 @@ class DeepSpeedEngine:
             write_settings(root / ENGINE_DIR / TAG, parts)
             self.files.loaded = {str(root / n): obj for n, obj in loaded.items()}
             try:
-                with fed(self.ds.optimizer, stage, got, step):
+                with fed(self.ds.optimizer, stage, got, step, groups):
                     self._load(root / ENGINE_DIR, universal_format=True)
             finally:
                 self.files.loaded = {}

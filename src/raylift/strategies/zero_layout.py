@@ -118,12 +118,19 @@ def settings(parts: list[dict[str, Any]]) -> dict[str, Any]:
     first = parts[0]
     kept = {k: _loaded(v) for k, v in first.items() if k not in _PARTITIONED}
     if first["zero_stage"] <= 2:
-        return kept | {"param_groups": _loaded(first["base_optimizer_state"]["param_groups"])}
-    inner = first["optimizer_state_dict"]
-    groups = _loaded(inner["param_groups"])
+        return kept | {"param_groups": saved_groups(parts)}
+    groups = saved_groups(parts)
     return kept | {
         "optimizer_state_dict": {"state": {0: {"step": saved_step(parts)}}, "param_groups": groups}
     }
+
+
+def saved_groups(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The optimizer's param groups as saved: each group's settings (lr, weight decay, ...)."""
+    first = parts[0]
+    key = "base_optimizer_state" if first["zero_stage"] <= 2 else "optimizer_state_dict"
+    inner = first[key]
+    return list(_loaded(inner["param_groups"]))
 
 
 def _loaded(obj: Any) -> Any:
@@ -175,10 +182,12 @@ def _padded(t: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 @contextmanager
-def fed(optimizer: Any, stage: int, got: Shares, step: Any) -> Iterator[None]:
+def fed(
+    optimizer: Any, stage: int, got: Shares, step: Any, groups: list[dict[str, Any]]
+) -> Iterator[None]:
     """DeepSpeed's universal load taking each weight's share from ``got`` instead of the
     per-weight files of a universal folder: the loaders it calls per weight, swapped for
-    the load's duration."""
+    the load's duration; then each group's own step and settings (``groups``, as saved)."""
     if stage <= 2:
         params = [lp for group in optimizer.bit16_groups for lp in group if id(lp) in got]
         before = {id(lp): lp.load_hp_checkpoint_state for lp in params}
@@ -189,12 +198,35 @@ def fed(optimizer: Any, stage: int, got: Shares, step: Any) -> Iterator[None]:
         finally:
             for lp in params:  # DeepSpeed's, as enable_universal_checkpoint set it
                 lp.load_hp_checkpoint_state = before[id(lp)]
+        own_steps(optimizer)
         return
     optimizer.load_hp_checkpoint_state = lambda _folder, key, param=None: got[id(param)][key]
     try:
         yield
     finally:
         del optimizer.load_hp_checkpoint_state  # the class's own again
+    own_steps(optimizer)
+    own_settings(optimizer, groups)
+
+
+def own_settings(optimizer: Any, groups: list[dict[str, Any]]) -> None:
+    """Each parameter group's saved settings. DeepSpeed's ZeRO-3 universal load gives every
+    group the first one's, and so weight decay to the group that has none (norms, biases)."""
+    mine = optimizer.optimizer.param_groups
+    if len(mine) != len(groups):
+        raise ValueError(f"the checkpoint has {len(groups)} parameter groups, this run {len(mine)}")
+    for group, saved in zip(mine, groups, strict=True):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def own_steps(optimizer: Any) -> None:
+    """Each parameter group's ``step`` its own tensor again. DeepSpeed's universal load
+    gives every group one step tensor (ZeRO-3: its settings file's; ZeRO-1/2: here, the
+    loader's), and torch's Adam adds 1 to each group's step in place: shared, it counts
+    once per group per update, and the bias correction of every later step is off."""
+    for state in optimizer.optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def _fragment_loader(pieces: dict[str, torch.Tensor], step: Any) -> Any:

@@ -45,14 +45,24 @@ def command(folder: Path, *args: str) -> str:
     return str(out)
 
 
-def logged_model(out: str, folder: Path) -> Path:
-    """The model the run logged, downloaded from the run's MLflow store."""
+def logged_model(out: str, folder: Path, into: Path | None = None) -> Path:
+    """The model the run logged, downloaded from the MLflow store in ``folder`` (where
+    the command ran) into ``into``."""
     import mlflow
 
     found = re.search(r"raylift: model logged to MLflow as (models:/\S+) ", out)
     assert found, out
     mlflow.set_tracking_uri(f"sqlite:///{folder / 'mlflow.db'}")
-    return Path(mlflow.artifacts.download_artifacts(found.group(1), dst_path=str(folder / "m")))
+    dst = (into or folder) / "m"
+    return Path(mlflow.artifacts.download_artifacts(found.group(1), dst_path=str(dst)))
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One folder the shipped configs all run in, as a user's project is: the runs share
+    ``./runs`` and ``mlflow.db``, and the GPT configs the shards the first one prepared
+    (each run's own data check still reads them)."""
+    return tmp_path_factory.mktemp("project")
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +74,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_the_shipped_config_runs_to_its_end(
-    ray_cluster: str, path: Path, images: Path, tmp_path: Path
+    ray_cluster: str, path: Path, images: Path, project: Path, tmp_path: Path
 ) -> None:
     import yaml
 
@@ -77,10 +87,10 @@ def test_the_shipped_config_runs_to_its_end(
         more.append(f"task_args.root={images}")
     if "tune" in raw:
         more += ["tune.num_samples=1", "tune.max_concurrent=1"]
-        out = command(tmp_path, "tune", str(path), *more)
+        out = command(project, "tune", str(path), *more)
     else:
-        out = command(tmp_path, "train", str(path), *more)
-    folder = logged_model(out, tmp_path)
+        out = command(project, "train", str(path), *more)
+    folder = logged_model(out, project, tmp_path)
     weights = next(folder.rglob("model.safetensors"))
     from safetensors.torch import load_file
 

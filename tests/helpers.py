@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -165,6 +166,9 @@ def make_trainer(
     return Trainer(cfg, task, ctx)
 
 
+RANK_NICENESS = 10
+
+
 def _pool_rank(rank: int, world: int, init_file: str, jobs: Any, results: Any) -> None:
     """One rank of a :class:`RankPool`: joins the group once, then runs jobs until told to
     stop. After a failed job it leaves: its group may be mid-collective."""
@@ -173,6 +177,9 @@ def _pool_rank(rank: int, world: int, init_file: str, jobs: Any, results: Any) -
     # One thread a rank, as Ray gives a one-CPU worker (OMP_NUM_THREADS=1): two ranks of
     # two threads each on two cores spend their time preempting each other in gloo waits.
     torch.set_num_threads(1)
+    # The session's Ray tests run one after another and set the suite's length: ranks
+    # that run beside them on this machine's few cores take the CPU they leave idle.
+    os.nice(RANK_NICENESS)
     init_pg(rank, world, init_file)
     try:
         while (job := jobs.get()) is not None:

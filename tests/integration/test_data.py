@@ -356,12 +356,14 @@ def test_prep_streams_a_split_whose_reader_shuffles_its_files(
     which reads the split whole before the first row is written."""
     import ray.data
 
-    from raylift.data.sources import reads_shuffled_files, shuffled_files
+    from raylift.data.sources import estimated_bytes, reads_shuffled_files, shuffled_files
     from tests.corpora import write_jsonl
 
     files = [str(p) for p in sorted(write_jsonl(tmp_path / "c", 12).glob("*.jsonl"))]
     shuffled = ray.data.read_json(files, shuffle=shuffled_files())
     plain = ray.data.read_json(files)
+    # Sized from the files' metadata (Ray Data's logical plan), none of them read.
+    assert estimated_bytes(plain) == sum(Path(f).stat().st_size for f in files)
     assert reads_shuffled_files(shuffled)
     assert reads_shuffled_files(shuffled.map_batches(lambda b: b))
     assert not reads_shuffled_files(plain)

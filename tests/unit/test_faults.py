@@ -417,7 +417,7 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     from raylift.export import consolidated_state_dict
     from raylift.streaming import DCPModel
 
-    run(tmp_path / "run", train={"max_steps": 10})
+    first, _, _, trained = run(tmp_path / "run", train={"max_steps": 10})
     run_uri = f"s3://runs/unit-{tmp_path.name}"
     s3, where = storage.filesystem(run_uri)
     pafs.copy_files(str(tmp_path / "run"), where, destination_filesystem=s3)
@@ -442,32 +442,45 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     out = capsys.readouterr().out
     assert f"raylift: {run_uri}: no config.yaml" in out  # written by the test, not a run
     assert "a rerun resumes from checkpoint-step00000005" in out
-    # A resume reads it from a local copy and says where it came from.
-    _, _, _, resumed = run(tmp_path / "again", restore=older, train={"max_steps": 10})
+    # A resume from the URI continues the first run: its steps 6-10 and its final weights.
+    again, _, _, resumed = run(tmp_path / "again", restore=older, train={"max_steps": 10})
+    assert sorted(again.series("train_loss")) == [6, 7, 8, 9, 10]
+    for step, loss in again.series("train_loss").items():
+        assert loss == pytest.approx(first.series("train_loss")[step], rel=1e-6), step
+    for name, value in trained.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[name], value, msg=name)
+    # Export reads the newest intact checkpoint, names it with its scheme, and writes it.
     exported = consolidated_state_dict(older)
     assert cli_main(["export", run_uri, "--out", str(tmp_path / "m.pt")]) == 0
     assert f"from {older} to" in capsys.readouterr().out  # the scheme kept
-    assert torch.load(tmp_path / "m.pt", weights_only=True).keys() == exported.keys()
-    assert sum(1 for _ in resumed.parameters()) > 0
+    got = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert got.keys() == exported.keys()
+    for name, value in exported.items():
+        torch.testing.assert_close(got[name], value, msg=name)
 
 
-DIED = (
-    "The actor died unexpectedly before finishing this task.\n\tclass_name: RayTrainWorker\n"
-    "\tpid: 29630\n\tip: 10.0.3.7\nThe actor is dead because its worker process has died. "
-    "Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
-    "connection error code 2. End of file. Some common causes include: ..."
-)
+def died() -> Exception:
+    """Ray's own error for a Train worker whose process died, as the driver receives it
+    (Ray writes the text; the error message is what the raylet reports)."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
 
-
-class ActorDiedError(RuntimeError):
-    """Named as Ray's is: the report reads the type's name and Ray's message."""
+    return ActorDiedError(
+        ActorDiedErrorContext(
+            class_name="RayTrainWorker", actor_id=b"\x01" * 16, pid=29630,
+            node_ip_address="10.0.3.7",
+            error_message="The actor is dead because its worker process has died. Worker "
+            "exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly exits with a "
+            "connection error code 2. End of file. Some common causes include: ...",
+        )
+    )  # fmt: skip
 
 
 def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_restarts() -> None:
     from raylift.faults import describe
 
     # Rank 1 died; rank 0's all-reduce broke because of it: rank 1 is named, once.
-    failures = {0: RuntimeError("Connection reset by peer"), 1: ActorDiedError(DIED)}
+    failures = {0: RuntimeError("Connection reset by peer"), 1: died()}
     ckpt = "s3://runs/r1/digits-ddp/checkpoint-step00000100"
     line = describe(failures, 1, 3, ckpt)
     assert line == (
@@ -482,7 +495,7 @@ def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_resta
         "raylift: worker rank 0 failed: ValueError: at call 3; "
         "no restarts left (train.max_failures: 1): the run fails"
     )
-    first = describe({1: ActorDiedError(DIED)}, 1, -1, None)
+    first = describe({1: died()}, 1, -1, None)
     assert first.endswith("from step 0 (no checkpoint was written yet) (restart 1, no limit)")
 
 

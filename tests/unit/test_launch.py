@@ -123,16 +123,22 @@ def test_the_token_probe_is_skipped_where_nothing_listens(monkeypatch: pytest.Mo
 
     from raylift.launch import check_token
 
-    def probe(**_: object) -> None:
-        raise AssertionError("probed an address where nothing listens")
-
+    # Recorded, not raised: check_token turns any error of the probe into "let ray.init say".
+    probed: list[object] = []
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    monkeypatch.setattr(ray._raylet, "GcsClient", probe)
+    monkeypatch.setattr(ray._raylet, "GcsClient", lambda **kw: probed.append(kw))
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]  # closed again below: nothing listens there
     check_token(f"127.0.0.1:{port}")
     check_token("auto")  # Ray finds a local cluster and its token itself
+    assert probed == []
+    with socket.socket() as listening:  # and where something listens, it does probe
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = f"127.0.0.1:{listening.getsockname()[1]}"
+        check_token(address)
+    assert probed == [{"address": address}]
 
 
 def test_a_local_tracking_store_over_ray_client_stops_before_any_worker(

@@ -156,9 +156,23 @@ def train_watching_adapters(rank: int, world: int, cfg_dict: dict, out: str) -> 
     if rank == 0:
         torch.save(
             {"loss": tracker.series("train_loss"), "agreed": agreed, "params": params,
-             "moments": held, "dir": str(Path(out).parent)},
+             "moments": held, "dir": str(Path(out).parent), "dtypes": dtypes(engine)},
             out,
         )  # fmt: skip
+
+
+def dtypes(engine: Any) -> dict[str, list[str]]:
+    """The dtypes this rank holds: the frozen base's, the adapters' in the module, and
+    the copy the optimizer updates (DeepSpeed's master partitions; else the adapters)."""
+    module = engine.ds.module if hasattr(engine, "ds") else engine.model
+    held: dict[str, set[str]] = {"base": set(), "adapters": set()}
+    for param in module.parameters():
+        held["adapters" if param.requires_grad else "base"].add(str(param.dtype))
+    zero = engine.ds.optimizer if hasattr(engine, "ds") else None
+    names = ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups")
+    masters = [t for name in names for t in getattr(zero, name, None) or []]
+    held["updated"] = {str(t.dtype) for t in masters} or held["adapters"]
+    return {k: sorted(v) for k, v in held.items()}  # lists: torch.load(weights_only) reads them
 
 
 @pytest.fixture(scope="module")
@@ -445,7 +459,10 @@ def test_bf16_true_lora_keeps_the_base_bf16_and_follows_the_fp32_curve(
     cfg = lora_run(pretrained, STRATEGIES[name], precision="bf16-true")
     out = tmp_path / "run.pt"
     run_ranks(2, tmp_path, train_watching_adapters, cfg, str(out))
-    got, ref = torch.load(out, weights_only=True)["loss"], lora_curves[name]["loss"]
+    result = torch.load(out, weights_only=True)
+    got, ref = result["loss"], lora_curves[name]["loss"]
+    assert result["dtypes"]["base"] == ["torch.bfloat16"], result["dtypes"]
+    assert result["dtypes"]["updated"] == ["torch.float32"], result["dtypes"]
     assert sorted(got) == sorted(ref)
     for step, loss in ref.items():
         assert got[step] == pytest.approx(loss, rel=2e-2), (name, step)
@@ -463,7 +480,8 @@ def test_a_users_own_model_trains_adapters_under_ddp_and_fsdp_alike(tmp_path: Pa
         run_ranks(2, tmp_path, train_watching_adapters, cfg, str(out))
         found[name] = torch.load(out, weights_only=True)
     ddp, fsdp = found["ddp"], found["fsdp"]
-    assert all(fsdp["agreed"]) and ddp["loss"][8] < ddp["loss"][1]
+    assert len(fsdp["agreed"]) == 8 and all(fsdp["agreed"]), fsdp["agreed"]  # every step
+    assert ddp["loss"][8] < ddp["loss"][1]
     for step, loss in ddp["loss"].items():
         assert fsdp["loss"][step] == pytest.approx(loss, rel=1e-5), step
     for key, value in ddp["params"].items():

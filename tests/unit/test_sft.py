@@ -115,7 +115,13 @@ def test_the_last_turn_or_everything_is_trained_when_asked(tmp_path: Path) -> No
     last = sft_task(tmp_path / "last", train_on="last")
     assert trained_text(last, ROWS["messages"]) == ["Four.<|im_end|>"]
     everything = sft_task(tmp_path / "all", train_on="all")
-    whole = everything.renderer.render(ROWS["messages"]["messages"])
+    whole = (  # ChatML, written out: the conversation as the template renders it
+        "<|im_start|>system\nYou answer briefly.<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nParis.<|im_end|>\n"
+        "<|im_start|>user\nHow many legs has a cat?<|im_end|>\n"
+        "<|im_start|>assistant\nFour.<|im_end|>\n"
+    )
     assert trained_text(everything, ROWS["messages"]) == [whole]
 
 
@@ -177,6 +183,9 @@ def test_best_fit_packs_whole_examples_and_positions_restart_at_each() -> None:
     assert packed.truncated == 1  # 11 inputs cut to 8
     assert packed.columns()["truncated"].sum() == 1  # prep sums it over the shards
     columns = (packed.input_ids, packed.position_ids, packed.example, packed.labels)
+    # Inputs of 3, 5, 2 and 8 tokens (the last cut): 8, then 5+3, then 2; all four in.
+    assert len(packed.input_ids) == 3
+    assert sum(len(set(ex[ex > 0].tolist())) for ex in packed.example) == 4
     for ids, pos, ex, lab in zip(*columns, strict=True):
         for k in set(ex[ex > 0].tolist()):
             n = int((ex == k).sum())
@@ -264,7 +273,7 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
     folder = model_folder(tmp_path / "model", {"hidden_size": 32, "intermediate_size": 64})
     data = tmp_path / "chats.jsonl"
     write_chats(data, 600)
-    curves = {}
+    curves, vals = {}, {}
     for name, (strategy, lora) in SFT_RUNS.items():
         adapter = {"model": {"adapter": {"type": "lora", "r": 4, "alpha": 8}}} if lora else {}
         run = {"task": "hf-sft", "task_args": {"model": str(folder), "data": str(data),
@@ -275,15 +284,20 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
         out = tmp_path / name / "run.pt"
         out.parent.mkdir()
         run_ranks(2, tmp_path, train_sft, cfg, str(data), str(out))
-        curves[name] = torch.load(out, weights_only=True)["loss"]
+        curves[name], vals[name] = torch.load(out, weights_only=True).values()
     for name, ref in (("fsdp", "ddp"), ("zero3", "ddp"), ("zero2", "ddp"), ("fairscale", "ddp"),
                       ("fsdp-lora", "ddp-lora")):  # fmt: skip
         assert sorted(curves[name]) == list(range(1, 31)), name
         for step, loss in curves[ref].items():
             assert curves[name][step] == pytest.approx(loss, rel=1e-5), (name, step)
+        # The held-out loss too (the trained tokens' mean over every rank's windows).
+        assert vals[name].keys() == vals[ref].keys() and {0, 30} <= vals[ref].keys(), name
+        for step, loss in vals[ref].items():
+            assert vals[name][step] == pytest.approx(loss, rel=1e-5), (name, step)
     full, lora = curves["ddp"], curves["ddp-lora"]
     assert full[30] < 0.7 * full[1], full
     assert lora[30] < lora[1] - 0.05, lora  # adapters on a random base: slower, but learning
+    assert vals["ddp"][30] < vals["ddp"][0], vals["ddp"]
 
 
 def test_json_and_parquet_files_give_the_rows_jsonl_gives_each_named_by_its_place(

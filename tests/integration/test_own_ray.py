@@ -13,13 +13,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from tests.helpers import finish_output
+from tests.helpers import HANG_S, finish_output
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -90,10 +91,12 @@ def watch(
     run: subprocess.Popen[str],
 ) -> tuple[dict[tuple[str, int], psutil.Process], list[tuple[str, int]]]:
     """Every listening socket the run's process tree opened, and which of them served the
-    Jobs API (probed while the run's Ray is up)."""
+    Jobs API (probed while the run's Ray is up). A run still going after ``HANG_S`` is a
+    hang: it is killed, and its output tells why."""
     seen: dict[tuple[str, int], psutil.Process] = {}
     jobs: list[tuple[str, int]] = []
-    while run.poll() is None:
+    ceiling = time.monotonic() + HANG_S
+    while run.poll() is None and time.monotonic() < ceiling:
         now = listeners(run.pid)
         jobs += [addr for addr in now.keys() - seen.keys() if serves_jobs_api(addr[1])]
         seen.update(now)
@@ -187,9 +190,12 @@ def side_by_side(tmp_path: Path, shell: dict[str, str]) -> dict[str, Any]:
         text=True,
     )  # fmt: skip
     try:
-        seen, jobs = watch(run)
-        out, err = finish_output(run, "the quickstart on its own Ray")
-        swept, _ = finish_output(sweep, "the sweep on its own Ray")
+        # Both pipes read while the run is watched: a full pipe would stop its writer.
+        with ThreadPoolExecutor(2) as readers:
+            outputs = readers.submit(finish_output, run, "the quickstart on its own Ray")
+            sweep_outputs = readers.submit(finish_output, sweep, "the sweep on its own Ray")
+            seen, jobs = watch(run)
+            (out, err), (swept, _) = outputs.result(), sweep_outputs.result()
     finally:
         for proc in (run, sweep):
             if proc.poll() is None:

@@ -673,10 +673,6 @@ def _local_path(value: Any) -> Any:
     return str(Path(value).resolve()) if Path(value).exists() else value
 
 
-def dump_config(cfg: Config) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; lists stay values."""
     out: dict[str, Any] = {}

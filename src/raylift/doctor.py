@@ -37,14 +37,6 @@ from raylift.startup import Startup, from_metrics, table
 from raylift.strategies import plan_row_for, plan_rows
 
 Metrics = dict[str, float]
-VERDICTS = (
-    "input-bound",
-    "host-sync-bound",
-    "communication-bound",
-    "memory-bound",
-    "cpu-bound",
-    "compute-bound",
-)
 
 
 # ---------------------------------------------------------------- the verdict

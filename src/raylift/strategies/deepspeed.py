@@ -624,11 +624,6 @@ class DeepSpeedEngine:
 # ---------------------------------------------------------------- checkpoint helpers
 
 
-def saved_world_size(folder: Path) -> int | None:
-    """Data-parallel size a checkpoint's ZeRO partitions were written for; None: unpartitioned."""
-    return _partitions([f.name for f in (folder / TAG).glob("*optim_states.pt")])
-
-
 def _partitions(names: Iterable[str]) -> int | None:
     ranks = {r for n in names if (r := _partition_of(n)) is not None}
     return max(ranks) + 1 if ranks else None

@@ -18,6 +18,7 @@ from raylift.config import Config
 from raylift.init import Initializer, Kept
 from raylift.precision import Precision
 from raylift.strategies.base import Engine
+from raylift.streaming import ModelTensors
 
 # (model, config, precision, device, the model's repeated blocks, the initial-weights
 # pass, which the builder runs once the parameters have their storage) -> engine
@@ -30,8 +31,8 @@ Creator = Callable[
     [Config, Precision, torch.device], contextlib.AbstractContextManager[Kept | None]
 ]
 # a checkpoint (raylift.checkpoint.CheckpointReader) -> the plain model's tensors, read
-# one at a time (raylift.streaming.ModelTensors)
-ExportReader = Callable[[Any], Any]
+# one at a time
+ExportReader = Callable[[Any], "ModelTensors"]
 
 # StrategyConfig keys every strategy reads.
 COMMON_OPTIONS = ("activation_checkpointing",)

@@ -369,12 +369,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    import yaml
+    from raylift.tracking import redacted_yaml
 
-    from raylift.tracking import redact_tree
-
-    cfg = load_config(args.config, args.overrides)
-    print(yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False), end="")
+    print(redacted_yaml(load_config(args.config, args.overrides)), end="")
     return EXIT_OK
 
 

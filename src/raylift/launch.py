@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raylift import console, mlmodel, runlock, storage, tracking
-from raylift.check import before_workers, writable
+from raylift.check import alive_nodes, before_workers, writable
 from raylift.config import AUTO, RUN_CONFIG, Config, ConfigError, EnvironmentProblem
 from raylift.data.shards import Manifest
 from raylift.errors import first_line
@@ -538,10 +538,8 @@ def record_config(cfg: Config, run_dir: str) -> str:
     """The config as this run runs it (overrides applied, ``auto`` resolved, storage made
     absolute, secrets masked) in its folder: ``export``, ``verify`` and ``doctor`` read
     it from there, and a later command can name the folder instead of the YAML."""
-    import yaml
-
     ran = dataclasses.replace(cfg, storage=storage.resolve(cfg.storage))
-    text = yaml.safe_dump(tracking.redact_tree(ran.to_dict()), sort_keys=False)
+    text = tracking.redacted_yaml(ran)
     storage.write_text(storage.join(run_dir, RUN_CONFIG), text)
     return text
 
@@ -655,7 +653,7 @@ def worker_facts(cfg: Config) -> WorkerFacts:
 
     sc = cfg.scaling
     here = ray.get_runtime_context().get_node_id()
-    nodes = [n for n in ray.nodes() if n.get("Alive", True)]
+    nodes = alive_nodes()
     alone = len(nodes) == 1 and nodes[0]["NodeID"] == here
     if alone and (not sc.use_gpu or nodes[0]["Resources"].get("GPU", 0) >= 1):
         return _worker_facts(sc.use_gpu, sc.min_workers, sc.cpus_per_worker)

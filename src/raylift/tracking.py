@@ -115,6 +115,13 @@ def redact_tree(tree: Mapping[str, Any]) -> dict[str, Any]:
     return redact(tree)
 
 
+def redacted_yaml(cfg: Config) -> str:
+    """The config as YAML, secrets masked: what ``raylift validate`` prints and a run saves."""
+    import yaml
+
+    return yaml.safe_dump(redact_tree(cfg.to_dict()), sort_keys=False)
+
+
 def _quiet_mlflow() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # A server's client prints "View run ... at: URL" when a run ends: raylift names the run.

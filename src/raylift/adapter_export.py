@@ -35,6 +35,7 @@ from raylift.adapters import (
 from raylift.checkpoint import CheckpointError
 from raylift.export import each_tensor, hf_config_of, shard_bytes
 from raylift.hf_layout import Layout
+from raylift.init import meta_model
 from raylift.streaming import CODES, Spec, write_hf_shards, write_safetensors
 from raylift.weights import header_entries, raw_header, weight_files, weights_path
 
@@ -43,8 +44,7 @@ DTYPES = {code: dtype for dtype, code in CODES.items()}
 
 def adapter_modules(cfg: Any, task: Any) -> tuple[list[str], list[str]]:
     """The names of the modules the run put adapters on and of those it trained whole."""
-    with torch.device("meta"):
-        model = task.build_model()
+    model = meta_model(task)
     wanted = cfg.model.adapter
     saved = targets(model, wanted.modules_to_save) if wanted.modules_to_save else []
     return targets(model, wanted.target_modules), saved
@@ -64,8 +64,7 @@ def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str]
             "adapter folder (raylift export RUN --format peft writes one)"
         )
     wanted = cfg.model.adapter
-    with torch.device("meta"):
-        model = task.build_model()
+    model = meta_model(task)
     _check_same_adapters(folder, json.loads(text), wanted, model)
     _check_same_base(folder, base)
     named_as = adapter_tensors(saved_whole(model, wanted))
@@ -159,8 +158,7 @@ def merged_model(path: str, cfg: Any, task: Any, fmt: str) -> tuple[str, Merged]
 
     ckpt, _ = each_tensor(path, keep)
     wanted = cfg.model.adapter
-    with torch.device("meta"):
-        model = task.build_model()
+    model = meta_model(task)
     scale = wanted.alpha / wanted.r
     return ckpt, Merged(base, trained, scale, Layout(model), transposed_layers(model))
 

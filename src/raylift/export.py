@@ -29,6 +29,7 @@ from raylift.checkpoint import (
     previous_complete,
 )
 from raylift.hf_layout import Layout, of_task
+from raylift.init import meta_model
 from raylift.strategies import REGISTRY
 from raylift.streaming import Spec, write_hf_shards, write_safetensors
 
@@ -150,8 +151,7 @@ def hf_config_or_none(task: object) -> Any:
     known = getattr(task, "hf_config", None)
     if callable(known):
         return known()
-    with torch.device("meta"):
-        model = task.build_model()  # type: ignore[attr-defined]
+    model = meta_model(task)
     config: Any = getattr(model, "config", None)
     if not hasattr(config, "save_pretrained"):
         return None

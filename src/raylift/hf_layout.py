@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from raylift.init import meta_model
+
 Shape = tuple[int, ...]
 
 
@@ -109,8 +111,7 @@ class Layout:
 
 def of_task(task: Any) -> Layout:
     """The layout of the task's model, built without storage."""
-    with torch.device("meta"):
-        return Layout(task.build_model())
+    return Layout(meta_model(task))
 
 
 def pretrained_root(model: nn.Module) -> Any:

@@ -199,6 +199,14 @@ def kept_by_name(model: nn.Module, kept: Kept | None) -> dict[str, torch.Tensor]
     }
 
 
+def meta_model(task: Any) -> nn.Module:
+    """The task's model built on the meta device: its structure, names and shapes, with
+    no memory and no init (a 70B model builds as fast as a small one)."""
+    with torch.device("meta"):
+        model: nn.Module = task.build_model()
+    return model
+
+
 def materialize(model: nn.Module, device: torch.device) -> None:
     """Give a sharded model's meta parameters storage on ``device`` (each rank its shards),
     keeping the buffers' values (``to_empty`` would leave them undefined too)."""

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from raylift.config import Config, StrategyConfig
+from raylift.init import meta_model
 from raylift.precision import DeviceFacts, Precision, resolve_precision
 from raylift.strategies import PlanRow, config_problems, plan_row, plan_rows
 
@@ -108,8 +109,7 @@ def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpoi
 
     task = build_task(cfg.task, cfg.task_args)
     dtype = planned_precision(cfg).compute_dtype
-    with torch.device("meta"):
-        model = task.build_model().to(dtype)
+    model = meta_model(task).to(dtype)
     if checkpointing:
         apply_activation_checkpointing(blocks_of(task, model))
     params = {id(p) for p in model.parameters()}
@@ -151,8 +151,7 @@ def largest_block(cfg: Config) -> int:
     from raylift.tasks.base import blocks_of
 
     task = build_task(cfg.task, cfg.task_args)
-    with torch.device("meta"):
-        model = task.build_model()
+    model = meta_model(task)
     blocks = blocks_of(task, model) or [model]
     return max(sum(p.numel() for p in b.parameters()) for b in blocks)
 

@@ -30,7 +30,7 @@ from raylift import storage
 from raylift.adapters import base_name, is_adapter
 from raylift.data.sources import SourceError
 from raylift.hf_layout import Layout
-from raylift.init import Writer
+from raylift.init import Writer, meta_model
 
 # A model's tensors as a weights file names them: (model, named tensors) -> (name, tensor).
 NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
@@ -226,8 +226,7 @@ def check_for_config(cfg: Any, task: Any, path: str | None = None) -> None:
 
     path = path or weights_path(cfg, task)
     if path is not None and not is_mlflow_uri(path):
-        with torch.device("meta"):
-            model = task.build_model()
+        model = meta_model(task)
         check(model, path)  # headers only, where they are: ranged reads on an object store
     adapters = cfg.model.adapter.weights
     if adapters and not is_mlflow_uri(adapters):

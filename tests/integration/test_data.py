@@ -97,6 +97,7 @@ def test_truncated_or_missing_files_are_caught_with_the_fix(
     assert open_shards(str(tmp_path / "s"), fingerprint(cfg, task))
 
 
+@pytest.mark.slow
 def test_preps_into_an_object_store_never_delete_or_mix_each_others_shards(
     ray_cluster: str, s3_server: str, tmp_path: Path
 ) -> None:
@@ -160,6 +161,7 @@ def test_joining_a_token_cluster_without_the_token_stops_at_once_with_the_fix(
     assert "Traceback" not in proc.stderr and not (tmp_path / "shards").exists()
 
 
+@pytest.mark.slow
 def test_workers_that_cannot_be_placed_fail_within_the_bound_naming_them(
     digits_shards: Path, in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -298,6 +300,7 @@ PEAK_RSS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_streaming_memory_does_not_grow_with_the_corpus(ray_cluster: str, tmp_path: Path) -> None:
     grown = {}
     for max_bytes in (1_000_000, 12_000_000):
@@ -333,6 +336,7 @@ def shard_rows(root: Path, split: str) -> list[tuple[int, bytes]]:
     return sorted(rows)
 
 
+@pytest.mark.slow
 def test_a_read_parquet_source_preps_the_same_rows_as_in_memory_columns(
     digits_shards: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -501,6 +505,7 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
 IMAGES = "{root: '%s', image_size: 16, width: 8, val_percent: 20%s}"  # over configs/images.yaml
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
     ray_cluster: str, shapes: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -527,6 +532,7 @@ def test_a_corrupt_image_is_skipped_with_a_warning_or_stops_prep_past_the_share(
     assert "uint8" in manifest.schema["image"]
 
 
+@pytest.mark.slow
 def test_an_images_run_resumed_mid_epoch_continues_the_uninterrupted_curve(
     ray_cluster: str, shapes: Path, tmp_path: Path
 ) -> None:

@@ -17,7 +17,7 @@ from raylift import storage
 from raylift.cli import main as cli_main
 from tests.bottlenecks import CASES
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 STEPS = 40  # per window: 3 x 40 steps, a few seconds of training after Ray's start-up

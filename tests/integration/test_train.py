@@ -34,6 +34,7 @@ def history(client, run_id: str, key: str) -> dict[int, float]:  # type: ignore[
     return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
+@pytest.mark.slow
 def test_a_nan_loss_under_stop_fails_the_run_through_ray(
     ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -217,6 +218,7 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["segv", "abort"])
 def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
     ray_cluster: str, in_tmp: Path, how: str
@@ -256,6 +258,7 @@ def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
     assert not foreign, foreign
 
 
+@pytest.mark.slow
 def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
     ray_cluster: str, in_tmp: Path
 ) -> None:

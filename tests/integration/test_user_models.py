@@ -19,7 +19,7 @@ from tests.helpers import finish_output
 from tests.integration.test_train import OURS, STARTUP_KEYS, cli_env
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 USER_FILE = Path(__file__).resolve().parents[1] / "user_models.py"
 CONFIG = """

@@ -11,7 +11,7 @@ import pytest
 from raylift.launch import _failure_message
 from tests.helpers import make_config
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def index_batch(rank: int) -> None:

@@ -78,6 +78,7 @@ def lora_run(folder: Path, strategy: dict, **more: Any) -> dict:
     ).to_dict()
 
 
+@pytest.mark.slow
 def test_lora_goes_on_every_linear_layer_but_the_head_and_starts_as_the_base(
     pretrained: Path,
 ) -> None:
@@ -187,6 +188,7 @@ def lora_curves(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(STRATEGIES) - {"ddp"}))
 def test_lora_under_each_strategy_follows_ddp_with_the_base_untouched(
     pretrained: Path, lora_curves: dict, name: str
@@ -228,6 +230,7 @@ def resume_watching(rank: int, world: int, cfg_dict: dict, ckpt: str, out: str) 
         torch.save({"params": restored, "loss": tracker.series("train_loss")}, out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank(
     pretrained: Path, lora_curves: dict, tmp_path: Path, name: str
@@ -274,6 +277,7 @@ def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank
         assert torch.equal(value, expected.float()), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_adapters_trained_on_one_rank_resume_on_two_on_the_one_rank_curve(
     pretrained: Path, lora_curves: dict, tmp_path: Path, name: str
@@ -335,6 +339,7 @@ def start_watching(rank: int, world: int, cfg_dict: dict, out: str) -> None:
         torch.save({"params": params}, out)
 
 
+@pytest.mark.slow
 def test_registered_adapters_train_again_from_the_registry_on_the_same_base(
     pretrained: Path, lora_curves: dict, tmp_path: Path
 ) -> None:
@@ -450,6 +455,7 @@ def test_a_sweep_searches_the_adapters_rank_and_alpha(pretrained: Path) -> None:
     assert set(param_space(parse_sweep(cfg))) == set(space)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_bf16_true_lora_keeps_the_base_bf16_and_follows_the_fp32_curve(
     pretrained: Path, lora_curves: dict, tmp_path: Path, name: str
@@ -468,6 +474,7 @@ def test_bf16_true_lora_keeps_the_base_bf16_and_follows_the_fp32_curve(
         assert got[step] == pytest.approx(loss, rel=2e-2), (name, step)
 
 
+@pytest.mark.slow
 def test_a_users_own_model_trains_adapters_under_ddp_and_fsdp_alike(tmp_path: Path) -> None:
     """Not a Hugging Face model: the gpt task's own nn.Module, its base drawn from the
     seed. Both strategies follow one curve, and leave the base as drawn."""

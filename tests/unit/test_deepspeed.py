@@ -209,6 +209,7 @@ def test_raylift_imports_without_deepspeed() -> None:
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", list(PRECISIONS))
 @pytest.mark.parametrize("stage", list(STAGES))
 def test_loss_curve_matches_ddp(
@@ -224,6 +225,7 @@ def test_loss_curve_matches_ddp(
         assert got[step] == pytest.approx(ref[step], rel=PRECISIONS[precision]), step
 
 
+@pytest.mark.slow
 def test_resume_continues_the_uninterrupted_curve_and_reshards_to_one_rank(
     ds_runs: tuple, tmp_path: Path
 ) -> None:
@@ -260,6 +262,7 @@ def test_resume_continues_the_uninterrupted_curve_and_reshards_to_one_rank(
             assert loss == pytest.approx(full[n]["loss"][step], rel=1e-5), (n, step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "runs, name, step",
     [("ds_runs", "zero1-32", 30), ("ds_runs", "zero3-32", 30), ("thin_runs", "zero0", 2)],

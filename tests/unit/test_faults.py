@@ -254,6 +254,7 @@ def restore_from_store(
     torch.save({"problem": None, "params": params}, f"{out}.{rank}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(RESHARDED))
 def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
     tmp_path: Path, s3_server: str, strategy: str
@@ -368,6 +369,7 @@ def train_and_keep_rows(rank: int, world: int, cfg_dict: dict, root: str) -> Non
         torch.save(tracker.rows, Path(root) / "rows.pt")
 
 
+@pytest.mark.slow
 def test_async_and_sync_saves_write_the_same_checkpoints_and_log_what_they_cost(
     tmp_path: Path,
 ) -> None:

@@ -56,6 +56,7 @@ def test_layers_are_found_and_hub_names_refused() -> None:
         build_task("hf-causal-lm", {"model": "meta-llama/Llama-2-7b-hf"})
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_equal_and_follows_ddp(tmp_path: Path) -> None:
     runs = {name: hf_config(strategy=s) for name, s in STRATEGIES.items()}
     run_ranks(2, tmp_path, initial_params, runs, str(tmp_path / "init.pt"))

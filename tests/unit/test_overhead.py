@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -85,6 +86,7 @@ def plain_counts(steps: int, data: dict[str, Any]) -> tuple[int, int]:
     return launches(prof), syncs(prof)
 
 
+@pytest.mark.slow
 def test_launches_and_syncs_per_step_match_a_hand_written_loop(tmp_path: Path) -> None:
     init_pg(0, 1, str(tmp_path / "pg"))
     try:

@@ -262,6 +262,7 @@ def train_sft(rank: int, world: int, cfg_dict: dict, data: str, out: str) -> Non
         torch.save({"loss": tracker.series("train_loss"), "val": tracker.series("val_loss")}, out)
 
 
+@pytest.mark.slow
 def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path: Path) -> None:
     """30 steps, fp32, 2 ranks: fsdp, ZeRO-2, ZeRO-3 and fairscale on DDP's curve (1e-5),
     and LoRA adapters under ddp and fsdp on the same curve as each other; both learn (the

@@ -36,6 +36,7 @@ def ddp_curves(ddp_reference: dict) -> dict[str, dict[int, float]]:
     return {p: ddp_reference[p]["loss"] for p in ("32", "bf16-mixed")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, rel", [("32", 1e-5), ("bf16-mixed", 2e-2)])
 @pytest.mark.parametrize(
     "strategy",
@@ -74,6 +75,7 @@ def test_options_for_another_strategy_are_refused() -> None:
         load_config(REPO / "configs" / "quickstart.yaml", ["strategy.reshard_after_forward=false"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale"])
 def test_resume_continues_the_curve_and_reshards_to_one_worker(
     tmp_path: Path, strategy: str
@@ -131,6 +133,7 @@ def test_export_loads_into_the_plain_model(tmp_path: Path) -> None:
         torch.testing.assert_close(v, state[k], rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fairscale"])
 def test_planned_model_states_match_what_rank0_holds(
     ddp_reference: dict, tmp_path: Path, strategy: str

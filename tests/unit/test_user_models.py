@@ -51,6 +51,7 @@ def user_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     )
 
 
+@pytest.mark.slow
 def test_sharded_builds_start_from_ddps_exact_weights(user_runs: tuple) -> None:
     _, found, _ = user_runs
     ref = found["ddp"]["params"]

@@ -100,6 +100,7 @@ def test_a_sharded_folder_with_its_index_loads(tmp_path: Path) -> None:
     assert model.head.weight is model.tok.weight
 
 
+@pytest.mark.slow
 def test_every_strategy_starts_from_the_weights(tmp_path: Path) -> None:
     path, values = pretrained(tmp_path)
     runs = {

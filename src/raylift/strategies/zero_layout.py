@@ -117,9 +117,9 @@ def settings(parts: list[dict[str, Any]]) -> dict[str, Any]:
     scaler, clipping, version and the optimizer's param groups, no partition."""
     first = parts[0]
     kept = {k: _loaded(v) for k, v in first.items() if k not in _PARTITIONED}
-    if first["zero_stage"] <= 2:
-        return kept | {"param_groups": saved_groups(parts)}
     groups = saved_groups(parts)
+    if first["zero_stage"] <= 2:
+        return kept | {"param_groups": groups}
     return kept | {
         "optimizer_state_dict": {"state": {0: {"step": saved_step(parts)}}, "param_groups": groups}
     }
@@ -198,7 +198,6 @@ def fed(
         finally:
             for lp in params:  # DeepSpeed's, as enable_universal_checkpoint set it
                 lp.load_hp_checkpoint_state = before[id(lp)]
-        own_steps(optimizer)
         return
     optimizer.load_hp_checkpoint_state = lambda _folder, key, param=None: got[id(param)][key]
     try:
@@ -220,10 +219,10 @@ def own_settings(optimizer: Any, groups: list[dict[str, Any]]) -> None:
 
 
 def own_steps(optimizer: Any) -> None:
-    """Each parameter group's ``step`` its own tensor again. DeepSpeed's universal load
-    gives every group one step tensor (ZeRO-3: its settings file's; ZeRO-1/2: here, the
-    loader's), and torch's Adam adds 1 to each group's step in place: shared, it counts
-    once per group per update, and the bias correction of every later step is off."""
+    """Each parameter group's ``step`` its own tensor again. DeepSpeed's ZeRO-3 universal
+    load gives every group its settings file's one step tensor, and torch's Adam adds 1 to
+    each group's step in place: shared, it counts once per group per update, and the bias
+    correction of every later step is off."""
     for state in optimizer.optimizer.state.values():
         if isinstance(state.get("step"), torch.Tensor):
             state["step"] = state["step"].clone()
@@ -237,7 +236,9 @@ def _fragment_loader(pieces: dict[str, torch.Tensor], step: Any) -> Any:
         mapping.get_hp_fragment().data.copy_(pieces[FP32])
         for key in MOMENTS:
             mapping.optim_fragment[key] = pieces[key].clone()
-        return step
+        # A copy each: DeepSpeed makes the first one of each group that group's step,
+        # which torch's Adam then adds to in place (see own_steps).
+        return step.clone() if isinstance(step, torch.Tensor) else step
 
     return load
 

@@ -30,7 +30,7 @@ from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 from strategies import run  # noqa: E402
 
-from raylift.config import config_from_dict  # noqa: E402
+from raylift.validation import config_from_dict  # noqa: E402
 from tests.helpers import close_pools  # noqa: E402
 
 SHAPES = {

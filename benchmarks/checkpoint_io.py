@@ -141,8 +141,8 @@ def _gpus() -> int:
 
 
 def checkpoint_bytes(run: str) -> int:
-    from raylift import storage
-    from raylift.checkpoint import checkpoint_dirs
+    from raylift.core import storage
+    from raylift.tensors.checkpoints import checkpoint_dirs
 
     newest = checkpoint_dirs(run)[-1]
     return sum(size for _, size in storage.files_under(newest))
@@ -214,7 +214,10 @@ def count_params(layers: int, d_model: int, heads: int) -> int:
 
 def import_rss() -> float:
     """Peak RSS (MiB) of a process that only imports what ``raylift export`` imports."""
-    code = "import raylift.cli, raylift.export, raylift.streaming, torch.distributed.checkpoint"
+    code = (
+        "import raylift.cli, raylift.artifacts.export, raylift.tensors.streaming, "
+        "torch.distributed.checkpoint"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code])
     _, _, usage = os.wait4(proc.pid, 0)
     return usage.ru_maxrss / 1024

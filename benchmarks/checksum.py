@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 from results import save as save_result  # noqa: E402
 
-from raylift.checkpoint import file_digest, seal_checkpoint  # noqa: E402
+from raylift.tensors.checkpoints import file_digest, seal_checkpoint  # noqa: E402
 
 NOTES = """
 The seal reads each file once, 1 MiB at a time, and hashes each byte twice (the whole

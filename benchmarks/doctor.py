@@ -29,9 +29,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
 )
 
-from raylift.config import load_config  # noqa: E402
-from raylift.doctor import run_doctor  # noqa: E402
-from raylift.probe import PREFIX  # noqa: E402
+from raylift.commands.doctor import run_doctor  # noqa: E402
+from raylift.run.probe import PREFIX  # noqa: E402
+from raylift.validation import load_config  # noqa: E402
 from tests.bottlenecks import CASES  # noqa: E402
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"

@@ -46,11 +46,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
-from raylift.checkpoint import checkpoint_dirs, verify_run  # noqa: E402
-from raylift.config import load_config  # noqa: E402
 from raylift.data.shards import shard_root  # noqa: E402
-from raylift.launch import RunFailed, TrainResult, train  # noqa: E402
+from raylift.run.launch import RunFailed, TrainResult, train  # noqa: E402
 from raylift.tasks import build_task  # noqa: E402
+from raylift.tensors.checkpoints import checkpoint_dirs, verify_run  # noqa: E402
+from raylift.validation import load_config  # noqa: E402
 
 CONFIG = REPO / "configs" / "gpt-tiny.yaml"
 STEPS, EVERY = 24, 4
@@ -388,7 +388,7 @@ def full_disk(b: Bench) -> Row:
 def start_ray(root: Path) -> Any:
     import ray
 
-    from raylift.launch import WORKER_ENV
+    from raylift.run.connect import WORKER_ENV
 
     os.environ.update(WORKER_ENV)
     os.environ["PYTHONPATH"] = os.pathsep.join(

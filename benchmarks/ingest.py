@@ -187,10 +187,10 @@ def prepare(opts: argparse.Namespace, root: str) -> tuple[Any, str]:
     """The prepared shards' manifest, and a line on where they came from."""
     import ray
 
-    from raylift.config import load_config
     from raylift.data.shards import prep
-    from raylift.launch import connect_ray
+    from raylift.run.connect import connect_ray
     from raylift.tasks import build_task
+    from raylift.validation import load_config
 
     overrides = [f"storage={root}/storage", *opts.override]
     if opts.max_bytes is not None:

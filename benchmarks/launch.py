@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
-from raylift.startup import PHASES, from_metrics  # noqa: E402
+from raylift.core.startup import PHASES, from_metrics  # noqa: E402
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 RAYLIFT = [sys.executable, "-m", "raylift.cli"]
@@ -135,7 +135,7 @@ def start_head(home: Path) -> tuple[str, object]:
     """A local Ray head in this process, its own temp dir, as a cluster would have running."""
     import ray
 
-    from raylift.launch import WORKER_ENV
+    from raylift.run.connect import WORKER_ENV
 
     os.environ.update(WORKER_ENV)
     ctx = ray.init(

@@ -6,7 +6,7 @@ logged as the run's MLflow model, after the last step.
 Two runs train here on 2 ranks over gloo (CUDA when present), each keeping its final
 checkpoint: the quickstart's digits model for its 200 steps, and the 101M-parameter gpt
 of ``benchmarks/memory.py`` (d_model 1024, 8 layers) for 3 steps. Then
-``raylift.mlmodel.log_model`` logs each checkpoint to a local sqlite MLflow store, as the
+``raylift.artifacts.mlmodel.log_model`` logs each checkpoint to a local sqlite MLflow store, as the
 driver does at a run's end (consolidate, write safetensors, record the config, upload),
 ``--repeats`` times. Printed: the size logged, the median seconds, and that time as a
 share of the training it follows (measured in the same process).
@@ -27,10 +27,11 @@ from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from raylift import mlmodel, tracking  # noqa: E402
-from raylift.config import load_config, merge  # noqa: E402
-from raylift.launch import record_config  # noqa: E402
-from raylift.plan import count_params  # noqa: E402
+from raylift.artifacts import mlmodel, tracking  # noqa: E402
+from raylift.core.config import merge  # noqa: E402
+from raylift.run.launch import record_config  # noqa: E402
+from raylift.run.plan import count_params  # noqa: E402
+from raylift.validation import load_config  # noqa: E402
 from tests.helpers import close_pools, config_from_dict, run_ranks, train_keep_checkpoints  # noqa: E402
 from tests.memory import gpt_config  # noqa: E402
 

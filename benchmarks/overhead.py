@@ -35,13 +35,14 @@ from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
-from raylift.config import Config, load_config  # noqa: E402
-from raylift.loop import seed_everything  # noqa: E402
-from raylift.metrics import peak_flops  # noqa: E402
-from raylift.optim import param_groups  # noqa: E402
-from raylift.precision import resolve_precision  # noqa: E402
+from raylift.core.config import Config  # noqa: E402
+from raylift.run.loop import seed_everything  # noqa: E402
 from raylift.tasks import build_task  # noqa: E402
 from raylift.tasks.base import flops_per_sample  # noqa: E402
+from raylift.tensors.metrics import peak_flops  # noqa: E402
+from raylift.tensors.optim import param_groups  # noqa: E402
+from raylift.tensors.precision import resolve_precision  # noqa: E402
+from raylift.validation import load_config  # noqa: E402
 from tests.helpers import LocalReporter, make_trainer, tensors  # noqa: E402
 
 WARMUP = 20

@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
-from raylift.config import config_from_dict  # noqa: E402
 from raylift.data.ingest import TensorSource  # noqa: E402
 from raylift.tasks import build_task  # noqa: E402
+from raylift.validation import config_from_dict  # noqa: E402
 from tests.chats import answers, model_folder, sft_tensors, write_chats  # noqa: E402
 from tests.helpers import (  # noqa: E402
     ListTracker,

@@ -34,7 +34,8 @@ os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "raylift-tests" / "torch_extensions")
 )
 
-from raylift.config import ConfigError, config_from_dict, load_config  # noqa: E402
+from raylift.core.config import ConfigError  # noqa: E402
+from raylift.validation import config_from_dict, load_config  # noqa: E402
 from tests.helpers import (  # noqa: E402
     ListTracker,
     LocalReporter,

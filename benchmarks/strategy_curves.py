@@ -22,7 +22,7 @@ from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
 
-from raylift.config import load_config  # noqa: E402
+from raylift.validation import load_config  # noqa: E402
 from tests.helpers import close_pools, run_ranks, train_and_record  # noqa: E402
 
 STRATEGIES = {

@@ -142,7 +142,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """DDP on 2 gloo ranks, ``GPT_SMALL`` in fp32 and bf16-mixed: the loss curves, model-state
     bytes and probe logits every other strategy is held to (trained once per session)."""
-    from raylift.config import merge
+    from raylift.core.config import merge
     from tests.helpers import GPT_SMALL, make_config, run_ranks, train_runs
 
     tmp = tmp_path_factory.mktemp("ddp-reference")
@@ -285,7 +285,7 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
     at it; started after the S3 server, so its workers reach it too."""
     import ray
 
-    from raylift.launch import WORKER_ENV
+    from raylift.run.connect import WORKER_ENV
 
     os.environ.update(WORKER_ENV)  # the raylet inherits these, so every worker does
     os.environ["PYTHONPATH"] = os.pathsep.join(

@@ -112,8 +112,8 @@ def stall_uploads(from_step: int) -> None:
     writes its files and then waits for ten minutes (the process is killed first)."""
     import time
 
-    from raylift import storage
-    from raylift.checkpoint import checkpoint_step
+    from raylift.core import storage
+    from raylift.tensors.checkpoints import checkpoint_step
 
     upload = storage.upload_folder
 

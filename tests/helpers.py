@@ -14,11 +14,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylift.config import Config, config_from_dict, merge
-from raylift.context import WorkerContext
+from raylift.core.config import Config, merge
 from raylift.data.ingest import TensorSource
-from raylift.loop import Trainer
+from raylift.run.context import WorkerContext
+from raylift.run.loop import Trainer
 from raylift.tasks import build_task
+from raylift.validation import config_from_dict
 
 
 def init_pg(rank: int, world: int, init_file: str) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from raylift.config import Config, merge
-from raylift.plan import count_params, make_plan
+from raylift.core.config import Config, merge
+from raylift.run.plan import count_params, make_plan
 from raylift.strategies import plan_row_for
 
 MIB = 2**20
@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, port: int, cfg_dicts: list[dict], out: str) -> 
 
     import torch.distributed as dist
 
-    from raylift.config import merge
+    from raylift.core.config import merge
     from raylift.strategies.deepspeed import import_deepspeed
     from raylift.tasks import build_task
     from tests.helpers import LocalReporter, config_from_dict, make_trainer, tensors

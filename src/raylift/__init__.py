@@ -16,13 +16,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from raylift.config import Config, ConfigError, load_config
+from raylift.core import console
+from raylift.core.config import Config, ConfigError
+from raylift.core.names import VERSION
 
 if TYPE_CHECKING:
-    from raylift.launch import RunFailed, TrainResult, train
+    from raylift.run.launch import RunFailed, TrainResult, train
     from raylift.tasks.base import Task
+    from raylift.validation import load_config
 
-__version__ = "0.1.0"
+__version__ = VERSION
 
 __all__ = [
     "Config",
@@ -35,11 +38,12 @@ __all__ = [
     "train",
 ]
 
-# Names that pull in torch or Ray, imported on first use.
+# Names that pull in torch or Ray, imported on first use (load_config: the registries).
 _LAZY = {
-    "train": "raylift.launch",
-    "TrainResult": "raylift.launch",
-    "RunFailed": "raylift.launch",
+    "load_config": "raylift.validation",
+    "train": "raylift.run.launch",
+    "TrainResult": "raylift.run.launch",
+    "RunFailed": "raylift.run.launch",
     "Task": "raylift.tasks.base",
 }
 
@@ -47,9 +51,7 @@ _LAZY = {
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'raylift' has no attribute {name!r}")
-    if _LAZY[name] == "raylift.launch":
-        from raylift import console
-
+    if _LAZY[name] == "raylift.run.launch":
         # Before Ray's import reads them: a script or notebook that calls raylift.train()
         # gets the console `raylift train` gets (raylift's lines without Ray's prefixes).
         console.quiet_driver()

@@ -1,4 +1,10 @@
-"""``raylift VERB ...``: parses arguments and calls into the package; no logic of its own."""
+"""``raylift VERB ...``: parses arguments and calls into the package; no logic of its own.
+
+The entry point, and the one module that imports raylift's own modules inside functions:
+each command loads what it runs when it runs, so ``raylift --help``, ``raylift verify``
+and a bad command line answer without loading torch, Ray or MLflow. Everywhere else
+imports sit at the top of the module (tests/unit/test_lint.py holds it).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from raylift import console, storage
-from raylift.config import ConfigError, EnvironmentProblem, load_config
+from raylift.core import console, storage
+from raylift.core.config import RUN_CONFIG, ConfigError, EnvironmentProblem, run_config_text
+from raylift.core.errors import SourceError
+from raylift.core.runlock import RunLocked
+from raylift.core.startup import Startup, process_start
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def load_config(path: str, overrides: Sequence[str] = ()) -> Any:
+    """:func:`raylift.validation.load_config`: the registries it checks against bring torch."""
+    from raylift import validation
+
+    return validation.load_config(path, overrides)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -106,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from raylift.checkpoint import CheckpointError
-    from raylift.export import export
+    from raylift.artifacts.export import export
+    from raylift.tensors.checkpoints import CheckpointError
 
     try:
         with console.library_quiet():
@@ -124,7 +140,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _adapted(args: argparse.Namespace) -> bool:
     """Whether the run trained adapters (its recorded config, or ``--config``, says)."""
-    from raylift.config import run_config_text
 
     if not args.config and run_config_text(args.path) is None:
         return False
@@ -137,10 +152,9 @@ def _adapted(args: argparse.Namespace) -> bool:
 def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     from pathlib import Path
 
-    from raylift.checkpoint import CheckpointError
-    from raylift.config import RUN_CONFIG, run_config_text
-    from raylift.export import export_hf, require_checkpoint
+    from raylift.artifacts.export import export_hf, require_checkpoint
     from raylift.tasks import build_task
+    from raylift.tensors.checkpoints import CheckpointError
 
     require_checkpoint(args.path)  # a folder with no checkpoint: said first
     if not args.config and run_config_text(args.path) is None:
@@ -152,7 +166,7 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
     task = build_task(cfg.task, cfg.task_args)
     out = Path(args.out)
     if cfg.model.adapter.type:
-        from raylift.adapter_export import export_merged, export_merged_file, export_peft
+        from raylift.artifacts.adapter_export import export_merged, export_merged_file, export_peft
 
         if args.format == "peft":
             return export_peft(args.path, out, cfg, task)
@@ -171,7 +185,7 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0 when the newest checkpoint is intact, 1 when only older ones are, 2 when none."""
 
-    from raylift.checkpoint import verify_run
+    from raylift.tensors.checkpoints import verify_run
 
     results = verify_run(args.run)
     if not results:
@@ -192,7 +206,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def _run_summary(run: str) -> str:
     """One line naming what a run folder holds, from the config it recorded."""
-    from raylift.config import RUN_CONFIG, run_config_text
 
     if run_config_text(run) is None:
         return f"raylift: {run}: no {RUN_CONFIG} (a run from before runs recorded their config)"
@@ -206,9 +219,7 @@ def _run_summary(run: str) -> str:
 def _run_error(exc: Exception) -> int:
     """A run that could not start (bad data or shards: exit 2) or that failed (exit 1)."""
     from raylift.data.shards import ShardError
-    from raylift.data.sources import SourceError
-    from raylift.launch import StorageFailed
-    from raylift.runlock import RunLocked
+    from raylift.run.launch import StorageFailed
 
     print(f"raylift: {exc}", file=sys.stderr)
     bad_input = (ShardError, SourceError, RunLocked, StorageFailed)
@@ -216,11 +227,9 @@ def _run_error(exc: Exception) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from raylift.commands.doctor import run_doctor
     from raylift.data.shards import ShardError
-    from raylift.data.sources import SourceError
-    from raylift.doctor import run_doctor
-    from raylift.launch import RunFailed
-    from raylift.startup import Startup, process_start
+    from raylift.run.launch import RunFailed
 
     startup = Startup.begin(process_start())
     cfg = load_config(args.config, args.overrides)
@@ -238,7 +247,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from raylift.plan import make_plan, render
+    from raylift.run.plan import make_plan, render
 
     cfg = load_config(args.config, args.overrides)
     if args.gpus < 1 or args.gpu_mem <= 0:
@@ -249,10 +258,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
-    from raylift.check import writable
     from raylift.data.shards import ShardError, prep, shard_root
-    from raylift.data.sources import SourceError
-    from raylift.launch import connect_ray
+    from raylift.run.check import writable
+    from raylift.run.connect import connect_ray
     from raylift.tasks import build_task
 
     cfg = load_config(args.config, args.overrides)
@@ -303,8 +311,7 @@ def show_examples(task: Any, manifest: Any, n: int, as_json: bool) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from raylift.runlock import RunLocked
-    from raylift.tune import parse_sweep, render, tune_run
+    from raylift.commands.tune import parse_sweep, render, tune_run
 
     cfg = load_config(args.config, args.overrides)
     spec = parse_sweep(cfg)  # a bad tune: section fails here, before Ray starts
@@ -327,14 +334,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from raylift.submit import follow, submit
+    from raylift.commands.submit import follow, submit
 
     verb = "train"
     if args.overrides and args.overrides[0] in ("train", "tune"):
         verb, args.overrides = args.overrides[0], args.overrides[1:]
     cfg = load_config(args.config, args.overrides)
     if verb == "tune":
-        from raylift.tune import parse_sweep
+        from raylift.commands.tune import parse_sweep
 
         parse_sweep(cfg)  # a bad tune: section fails here, not on the cluster
     try:
@@ -355,8 +362,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Exit 0 when the run can start on the cluster, 2 with each problem and its fix."""
-    from raylift.check import check, render
-    from raylift.launch import connect_ray
+    from raylift.run.check import check, render
+    from raylift.run.connect import connect_ray
 
     cfg = load_config(args.config, args.overrides)
     connect_ray(cfg)
@@ -369,7 +376,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from raylift.tracking import redacted_yaml
+    from raylift.artifacts.tracking import redacted_yaml
 
     print(redacted_yaml(load_config(args.config, args.overrides)), end="")
     return EXIT_OK
@@ -377,10 +384,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from raylift.data.shards import ShardError
-    from raylift.data.sources import SourceError
-    from raylift.launch import RunFailed, train
-    from raylift.runlock import RunLocked
-    from raylift.startup import Startup, process_start
+    from raylift.run.launch import RunFailed, train
 
     startup = Startup.begin(process_start())  # the user waits from the command, not from here
     cfg = load_config(args.config, args.overrides)

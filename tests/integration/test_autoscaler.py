@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from raylift.launch import WORKER_ENV
+from raylift.run.connect import WORKER_ENV
 from tests.helpers import HANG_S, finish_output, stop_ray_of, wait_until
 from tests.integration.test_train import OURS
 
@@ -294,7 +294,7 @@ def step(cluster: FakeCluster, line: str, seen: dict[str, str]) -> None:
             seen["noticed"] = notice_a_reclaim(cluster)  # the room goes after the notice
     elif line.startswith("raylift: preemption notice: checkpoint at step") and "noticed" in seen:
         if "reclaimed" not in seen:  # the run saves on the notice; then the node goes
-            from raylift.checkpoint import newest_written
+            from raylift.tensors.checkpoints import newest_written
 
             seen["notice_line"] = line.strip()
             saved = f"{seen['run']}/checkpoint-step{int(line.split()[-1]):08d}"

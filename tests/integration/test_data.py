@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from raylift.cli import main as cli_main
-from raylift.config import load_config
 from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
 from raylift.data.shards import (
     MANIFEST,
@@ -25,8 +24,9 @@ from raylift.data.shards import (
     open_shards,
     prep,
 )
-from raylift.precision import DeviceFacts, choose
 from raylift.tasks import build_task
+from raylift.tensors.precision import DeviceFacts, choose
+from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output, wait_until
 from tests.integration.test_train import cli_env
 
@@ -105,7 +105,7 @@ def test_preps_into_an_object_store_never_delete_or_mix_each_others_shards(
     manifest. A run that read the first manifest still finds every file it names after
     ``prep --force`` replaced them; two preps at once both finish and leave one whole
     manifest, of files that are all there."""
-    from raylift import storage
+    from raylift.core import storage
     from raylift.data.shards import read_manifest, verify
 
     root = f"s3://data/{tmp_path.name}/digits"
@@ -540,8 +540,9 @@ def test_an_images_run_resumed_mid_epoch_continues_the_uninterrupted_curve(
 
     import torch.distributed as dist
 
-    from raylift.config import config_from_dict, merge
+    from raylift.core.config import merge
     from raylift.data.ingest import ShardSource
+    from raylift.validation import config_from_dict
     from tests.helpers import BASE, ListTracker, LocalReporter, init_pg, make_trainer
 
     raw = {k: v for k, v in BASE.items() if k != "task_args"}

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from raylift import storage
 from raylift.cli import main as cli_main
+from raylift.core import storage
 from tests.bottlenecks import CASES
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -143,7 +143,7 @@ def check_asha_sweep(tmp: Path, out: str) -> None:
     and the best trial's config is written for `raylift train`."""
     from mlflow.tracking import MlflowClient
 
-    from raylift.config import load_config
+    from raylift.validation import load_config
 
     rows = trial_table(out)
     assert len(rows) == TRIALS and all(r["status"] == "TERMINATED" for r in rows), out[-3000:]

@@ -78,7 +78,7 @@ def test_the_shipped_config_runs_to_its_end(
 ) -> None:
     import yaml
 
-    from raylift.export import consolidated_state_dict
+    from raylift.artifacts.export import consolidated_state_dict
     from raylift.tasks import build_task
 
     raw = yaml.safe_load(path.read_text())

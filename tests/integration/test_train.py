@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylift import storage
 from raylift.cli import main as cli_main
-from raylift.config import load_config
-from raylift.launch import WORKER_ENV, train
-from raylift.startup import PHASES
+from raylift.core import storage
+from raylift.core.startup import PHASES
+from raylift.run.connect import WORKER_ENV
+from raylift.run.launch import train
+from raylift.validation import load_config
 from tests.helpers import finish_output, wait_until
 
 pytestmark = pytest.mark.integration

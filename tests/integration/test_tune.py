@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raylift.config import load_config
+from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

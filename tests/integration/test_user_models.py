@@ -119,7 +119,7 @@ def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from raylift.export import consolidated_state_dict
+    from raylift.artifacts.export import consolidated_state_dict
 
     folder, _, _ = user_runs
     run = folder / "runs" / "llama-zero3"

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from raylift.launch import _failure_message
+from raylift.run.failures import failure_message
 from tests.helpers import make_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -71,7 +71,7 @@ def test_ranks_that_raise_alike_are_named_with_their_one_traceback(
         if len(getattr(error, "worker_failures", {})) == 2:
             break
     assert isinstance(error, WorkerGroupError) and sorted(error.worker_failures) == [0, 1]
-    said = _failure_message(error, make_config(name="r"))
+    said = failure_message(error, make_config(name="r"))
     assert said.splitlines()[0] == (
         "training run 'r' failed: worker ranks 0,1: IndexError: list index out of range"
     )
@@ -85,7 +85,7 @@ def test_the_one_rank_that_raised_is_named_with_its_traceback(
 ) -> None:
     error = ray_error(rank_one_raises, tmp_path)
     assert sorted(getattr(error, "worker_failures", {})) == [1], error
-    said = _failure_message(error, make_config(name="r"))
+    said = failure_message(error, make_config(name="r"))
     lines = said.splitlines()
     assert lines[0] == "training run 'r' failed: worker rank 1: KeyError: 'rank one'"
     assert lines[1] == "Traceback (most recent call last):", said

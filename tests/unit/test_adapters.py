@@ -13,11 +13,12 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from raylift.adapters import attach, base_name, is_adapter, targets, trainable_numel
-from raylift.config import AdapterConfig, config_from_dict, merge
-from raylift.init import write_in_place
-from raylift.loop import initial_weights
+from raylift.core.config import AdapterConfig, merge
+from raylift.run.loop import initial_weights
 from raylift.tasks import build_task
+from raylift.tensors.adapters import attach, base_name, is_adapter, targets, trainable_numel
+from raylift.tensors.init import write_in_place
+from raylift.validation import config_from_dict
 from tests.helpers import (
     GPT_SMALL,
     SHIPPED_TRAINING,
@@ -241,8 +242,8 @@ def test_an_adapter_checkpoint_holds_what_trains_and_resumes_at_two_and_one_rank
     the pretrained one."""
     from safetensors.torch import load_file
 
-    from raylift.checkpoint import CheckpointReader
     from raylift.strategies import spec_for
+    from raylift.tensors.checkpoints import CheckpointReader
 
     run = lora_curves[name]["dir"]
     ckpt = run / "checkpoint-step00000015"
@@ -307,8 +308,9 @@ def test_a_resume_on_another_base_is_refused_naming_both(
 ) -> None:
     import shutil
 
-    from raylift.checkpoint import CheckpointReader, load_checkpoint
-    from raylift.config import ConfigError
+    from raylift.core.config import ConfigError
+    from raylift.run.checkpointing import load_checkpoint
+    from raylift.tensors.checkpoints import CheckpointReader
 
     other = tmp_path / "other"
     shutil.copytree(pretrained, other)
@@ -317,7 +319,7 @@ def test_a_resume_on_another_base_is_refused_naming_both(
     model = AutoModelForCausalLM.from_pretrained(other, local_files_only=True)
     model.to(torch.bfloat16).save_pretrained(other)  # another base: its headers differ
     ckpt = lora_curves["fsdp"]["dir"] / "checkpoint-step00000015"
-    from raylift.adapters import base_of
+    from raylift.tensors.weights import base_of
 
     cfg = config_from_dict(lora_run(other, STRATEGIES["fsdp"]))
     base = base_of(cfg, str(other))
@@ -351,9 +353,10 @@ def test_registered_adapters_train_again_from_the_registry_on_the_same_base(
 
     from transformers import AutoModelForCausalLM
 
-    from raylift.mlmodel import fetch_weights, model_folder
-    from raylift.tracking import Store, start_run
-    from raylift.weights import WeightsError, check_for_config
+    from raylift.artifacts.mlmodel import fetch_weights, model_folder
+    from raylift.artifacts.tracking import Store, start_run
+    from raylift.tensors.preflight import check_for_config
+    from raylift.tensors.weights import WeightsError
 
     run = lora_curves["fsdp"]["dir"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -445,7 +448,7 @@ def test_the_peft_folder_and_the_merged_model_give_the_same_logits(
 
 
 def test_a_sweep_searches_the_adapters_rank_and_alpha(pretrained: Path) -> None:
-    from raylift.tune import param_space, parse_sweep
+    from raylift.commands.tune import param_space, parse_sweep
 
     space = {
         "model.adapter.r": {"choice": [4, 16]},

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from raylift.check import NodeFacts, fit_check, node_types, storage_verdict, version_problems
+from raylift.run.check import NodeFacts, fit_check, node_types, storage_verdict, version_problems
 from tests.helpers import make_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +68,7 @@ def test_a_node_slower_than_the_probe_is_named_not_a_timeout_error(
     (``ray.get(ref, timeout=1)`` after the wait raised Ray's GetTimeoutError)."""
     import ray
 
-    from raylift import check
+    from raylift.run import check
 
     @ray.remote(num_cpus=0)
     def slow() -> None:
@@ -83,7 +83,7 @@ def test_a_node_slower_than_the_probe_is_named_not_a_timeout_error(
 def test_gpu_memory_is_read_from_nvidia_smi_without_a_visible_gpu(tmp_path: Path) -> None:
     """The probe asks Ray for no GPU, so Ray hides the node's GPUs from it: the memory is
     NVIDIA's tool's answer (here a script that answers as nvidia-smi does, two GPUs)."""
-    from raylift.check import gpu_memory_gib
+    from raylift.run.check import gpu_memory_gib
 
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\nprintf '81559\\n40960\\n'\n")
@@ -100,7 +100,7 @@ def test_a_gpu_nodes_facts_are_read_with_its_gpus_hidden() -> None:
     import subprocess
     import sys
 
-    code = "from raylift.check import gpu_facts; print(gpu_facts())"
+    code = "from raylift.run.check import gpu_facts; print(gpu_facts())"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     cuda, nccl, memory = ast.literal_eval(out.stdout)
@@ -110,7 +110,7 @@ def test_a_gpu_nodes_facts_are_read_with_its_gpus_hidden() -> None:
 def test_the_storage_checks_cleanup_keeps_what_another_command_wrote(tmp_path: Path) -> None:
     """Two commands on one new storage folder: the check removes only empty folders, and
     one that another command already removed is no error."""
-    from raylift.check import _remove_empty
+    from raylift.run.check import _remove_empty
 
     top = tmp_path / "runs"
     (top / "empty" / "deeper").mkdir(parents=True)

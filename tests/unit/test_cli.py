@@ -56,7 +56,7 @@ def test_an_unreachable_tracking_server_exits_2_at_once_naming_it(
     """MLflow alone would retry for minutes and then print its traceback."""
     import socket
 
-    from raylift import tracking
+    from raylift.artifacts import tracking
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
@@ -107,7 +107,7 @@ def test_storage_that_cannot_be_written_is_one_line_and_exit_2_on_any_cluster(
 
 def test_the_storage_check_leaves_no_folder_behind(tmp_path: Path) -> None:
     """The marker's write makes the folders it needs; the check removes those it made."""
-    from raylift.check import writable
+    from raylift.run.check import writable
 
     where = tmp_path / "a" / "b" / "shards"
     writable(str(where), "data.shards")

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from raylift.config import ConfigError, elastic_accum, flatten, load_config, parse_overrides
-from raylift.precision import ACCEPTED
+from raylift.core.config import ConfigError, elastic_accum, flatten, parse_overrides
+from raylift.tensors.precision import ACCEPTED
+from raylift.validation import load_config
 from tests.helpers import make_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,7 +127,7 @@ def test_elastic_runs_keep_the_global_batch_by_accumulating_more() -> None:
 def test_a_run_folder_records_the_config_it_ran_with(tmp_path: Path) -> None:
     """Overrides applied, storage absolute, secrets masked; the folder (or one of its
     checkpoints) then loads as a config."""
-    from raylift.launch import record_config
+    from raylift.run.launch import record_config
 
     cfg = load_config(
         REPO / "configs" / "gpt-zero3.yaml",

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from raylift import console
-from raylift.worker import print0
+from raylift.core import console
+from raylift.run.worker import print0
 
 
 def user_code(tmp_path: Path, body: str) -> Any:

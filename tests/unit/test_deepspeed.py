@@ -16,12 +16,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift.checkpoint import CheckpointError
-from raylift.config import config_from_dict, merge
+from raylift.core.config import merge
 from raylift.data.ingest import to_device
-from raylift.precision import resolve_precision
 from raylift.strategies.deepspeed import DeepSpeedEngine, consolidated_state_dict, ds_config
 from raylift.tasks import build_task
+from raylift.tensors.checkpoints import CheckpointError
+from raylift.tensors.precision import resolve_precision
+from raylift.validation import config_from_dict
 from tests.helpers import (
     GPT_SMALL,
     ListTracker,
@@ -204,7 +205,7 @@ def test_deepspeed_config_comes_from_raylift_config_and_user_keys_win() -> None:
 
 
 def test_raylift_imports_without_deepspeed() -> None:
-    code = "import sys, raylift.cli, raylift.export, raylift.loop\n"
+    code = "import sys, raylift.cli, raylift.artifacts.export, raylift.run.loop\n"
     code += "sys.exit('deepspeed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
@@ -312,7 +313,7 @@ def test_lr_written_to_the_engine_optimizer_drives_the_update(tmp_path: Path, st
 
 def test_planned_model_states_match_what_each_stage_holds(thin_runs: tuple) -> None:
     """raylift plan's ZeRO accounting (world size 2) within 10% of the counted bytes."""
-    from raylift.plan import count_params, model_states
+    from raylift.run.plan import count_params, model_states
 
     cfg = config_from_dict(cfg_dict({"name": "deepspeed"}, task_args=THIN))
     n = count_params(cfg)

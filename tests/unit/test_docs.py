@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from raylift import reference
 from raylift.cli import build_parser
-from raylift.config import Config, ConfigError, load_config, yaml_key
+from raylift.core import reference
+from raylift.core.config import Config, ConfigError, yaml_key
+from raylift.validation import load_config
 from tests.helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,14 +77,16 @@ def every_key(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def _sections() -> list[type]:
-    import raylift.config as config
+    import raylift.core.config as config
 
     return [v for v in vars(config).values() if dataclasses.is_dataclass(v) and v is not Config]
 
 
 def test_the_config_reference_lists_every_key_and_is_up_to_date() -> None:
     page = (REPO / "docs" / "reference" / "config.md").read_text()
-    assert page == reference.page(), "run: python -m raylift.reference > docs/reference/config.md"
+    assert page == reference.page(), (
+        "run: python -m raylift.core.reference > docs/reference/config.md"
+    )
     listed = re.findall(r"^\| `([\w.]+)` \|", page, re.M)
     assert listed == [k.name for k in reference.all_keys()]
     assert set(listed) == set(every_key()), set(listed) ^ set(every_key())

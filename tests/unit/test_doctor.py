@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raylift.doctor import PREFIX, diagnose, doctor_config, draw_chart
+from raylift.commands.doctor import PREFIX, diagnose, doctor_config, draw_chart
 from tests.helpers import make_config
 
 

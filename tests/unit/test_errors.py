@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import RayTaskError
 
-from raylift.errors import cause_of, first_line
+from raylift.core.errors import cause_of, first_line
 
 
 def raised_in_an_actor(cause: Exception) -> RayTaskError:

@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift import storage
-from raylift.checkpoint import CheckpointError, resume_point, verify_checkpoint
-from raylift.config import ConfigError, load_config, merge
+from raylift.core import storage
+from raylift.core.config import ConfigError, merge
+from raylift.tensors.checkpoints import CheckpointError, resume_point, verify_checkpoint
+from raylift.validation import load_config
 from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +186,7 @@ def test_a_resume_whose_newest_checkpoint_fails_its_checksums_as_read_takes_the_
     """A flipped block in the newest checkpoint's model shard: its listing is complete
     (sizes match), the restore's checked reads catch it, and the worker resumes from the
     checkpoint before, saying why."""
-    from raylift.worker import restore_newest
+    from raylift.run.worker import restore_newest
 
     run(tmp_path, train={"max_steps": 10})
     newest = tmp_path / "checkpoint-step00000010"
@@ -238,7 +239,7 @@ def restore_from_store(
 ) -> None:
     """In a pool rank: restore ``ckpt`` (an s3:// URI) through the S3 server at ``endpoint``;
     the problem found (every rank's the same) or the restored parameters."""
-    from raylift.config import config_from_dict
+    from raylift.validation import config_from_dict
     from tests.helpers import full_params
     from tests.unit.test_deepspeed import full_params as zero_params
 
@@ -267,7 +268,7 @@ def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
     import pyarrow.fs as pafs
     from safetensors.torch import load_file
 
-    from raylift.export import consolidated_state_dict
+    from raylift.artifacts.export import consolidated_state_dict
     from tests.helpers import CountingProxy, run_ranks, train_keep_checkpoints
 
     cfg = make_config(**merge(WIDE_GPT, {"strategy": RESHARDED[strategy]})).to_dict()
@@ -361,7 +362,7 @@ def test_an_async_save_whose_copy_cannot_fit_in_host_memory_is_refused_before_ta
 
 def train_and_keep_rows(rank: int, world: int, cfg_dict: dict, root: str) -> None:
     """Train to the end, checkpoints under ``root``; rank 0 keeps what it logged."""
-    from raylift.config import config_from_dict
+    from raylift.validation import config_from_dict
 
     tracker = ListTracker()
     make_trainer(config_from_dict(cfg_dict), rank, world, LocalReporter(Path(root)), tracker).run()
@@ -414,10 +415,10 @@ def test_checkpoints_in_an_object_store_verify_fall_back_and_export_as_local_one
     import pyarrow.fs as pafs
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from raylift.checkpoint import CheckpointReader, newest_complete
+    from raylift.artifacts.export import consolidated_state_dict
     from raylift.cli import main as cli_main
-    from raylift.export import consolidated_state_dict
-    from raylift.streaming import DCPModel
+    from raylift.tensors.checkpoints import CheckpointReader, newest_complete
+    from raylift.tensors.streaming import DCPModel
 
     first, _, _, trained = run(tmp_path / "run", train={"max_steps": 10})
     run_uri = f"s3://runs/unit-{tmp_path.name}"
@@ -479,7 +480,7 @@ def died() -> Exception:
 
 
 def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_restarts() -> None:
-    from raylift.faults import describe
+    from raylift.run.faults import describe
 
     # Rank 1 died; rank 0's all-reduce broke because of it: rank 1 is named, once.
     failures = {0: RuntimeError("Connection reset by peer"), 1: died()}
@@ -539,7 +540,7 @@ def test_what_killed_processes_left_in_the_temp_folder_is_removed_with_the_bytes
 def test_a_crashed_process_is_named_by_its_signal_or_by_what_left_no_dump() -> None:
     """The signal comes from Python's fault dump at the end of the process's stderr; no
     dump is SIGKILL (the OOM killer's) or os._exit, with its node's memory."""
-    from raylift.faults import Crash
+    from raylift.run.faults import Crash
 
     dump = ["Fatal Python error: Bus error", "", "Current thread 0x7f (most recent call first):",
             '  File "/home/me/mytask.py", line 40 in loss']  # fmt: skip
@@ -570,7 +571,7 @@ def test_the_newest_written_checkpoint_passes_over_one_the_disk_cut_off(tmp_path
     reading it raises nothing."""
     import torch
 
-    from raylift.checkpoint import FORMAT, LOOP_FILE, newest_written
+    from raylift.tensors.checkpoints import FORMAT, LOOP_FILE, newest_written
 
     for step, state in ((8, {"format": FORMAT, "world_size": 2}), (12, None)):
         folder = tmp_path / f"checkpoint-step{step:08d}"

@@ -12,10 +12,10 @@ import torch
 
 pytest.importorskip("transformers")
 
+from raylift.artifacts.export import consolidated_state_dict
 from raylift.cli import main
-from raylift.config import merge
+from raylift.core.config import merge
 from raylift.data.shards import fingerprint
-from raylift.export import consolidated_state_dict
 from raylift.tasks import build_task
 from tests.helpers import (
     GPT_SMALL,

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from raylift.data.sources import ERROR_COLUMN, SourceError
+from raylift.core.errors import SourceError
+from raylift.data.sources import ERROR_COLUMN
 from raylift.tasks.images import ImagesTask, class_names, decode, list_images
 from tests.corpora import SHAPES, write_image_folder
 

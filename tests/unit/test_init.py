@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from raylift.config import merge
-from raylift.init import (
+from raylift.core.config import merge
+from raylift.tasks import build_task
+from raylift.tensors.init import (
     InitError,
     initialize,
     kept_by_name,
@@ -19,7 +20,6 @@ from raylift.init import (
     params_on_meta,
     write_in_place,
 )
-from raylift.tasks import build_task
 from tests.helpers import GPT_SMALL, LocalReporter, config_from_dict, make_config, run_ranks
 
 ZERO3 = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}

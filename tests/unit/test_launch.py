@@ -8,18 +8,13 @@ from typing import Any
 
 import pytest
 
-from raylift.launch import (
-    WorkerFacts,
-    local_num_cpus,
-    resolve_auto,
-    resolve_strategy,
-    run_exists,
-    user_code_env,
-)
-from raylift.plan import GIB
-from raylift.precision import DeviceFacts
-from raylift.probe import ProbeSettings
-from raylift.worker import RunSpec
+from raylift.run.auto import WorkerFacts, resolve_auto, resolve_strategy
+from raylift.run.connect import local_num_cpus, user_code_env
+from raylift.run.launch import run_exists
+from raylift.run.plan import GIB
+from raylift.run.probe import ProbeSettings
+from raylift.run.worker import RunSpec
+from raylift.tensors.precision import DeviceFacts
 from tests.helpers import make_config
 
 GPT_TINY = {"task": "gpt", "task_args": {"max_bytes": 20_000}}
@@ -93,7 +88,7 @@ def test_only_user_code_outside_site_packages_travels() -> None:
 
 
 def test_a_full_disk_is_named_with_the_fix() -> None:
-    from raylift.launch import _failure_message
+    from raylift.run.failures import failure_message
 
     try:
         try:
@@ -101,13 +96,13 @@ def test_a_full_disk_is_named_with_the_fix() -> None:
         except OSError as full:
             raise RuntimeError("Training failed due to a worker error") from full
     except RuntimeError as exc:
-        said = _failure_message(exc, make_config(storage="/mnt/small"))
+        said = failure_message(exc, make_config(storage="/mnt/small"))
     assert "the disk under storage '/mnt/small' is full" in said
     assert "newest complete checkpoint" in said
 
 
 def test_placement_is_bounded_in_attempts_of_at_most_a_minute() -> None:
-    from raylift.launch import placement_bounds
+    from raylift.run.launch import placement_bounds
 
     assert placement_bounds(300.0) == (60.0, 4)  # 5 attempts of 60 s
     assert placement_bounds(5.0) == (5.0, 0)  # one attempt
@@ -121,7 +116,7 @@ def test_the_token_probe_is_skipped_where_nothing_listens(monkeypatch: pytest.Mo
 
     import ray._raylet
 
-    from raylift.launch import check_token
+    from raylift.run.connect import check_token
 
     # Recorded, not raised: check_token turns any error of the probe into "let ray.init say".
     probed: list[object] = []
@@ -148,8 +143,8 @@ def test_a_local_tracking_store_over_ray_client_stops_before_any_worker(
     sqlite file, so the run stops, naming tracking.uri and the fix; a server is fine."""
     import ray.util.client
 
-    from raylift.config import EnvironmentProblem
-    from raylift.launch import tracking_for_run
+    from raylift.core.config import EnvironmentProblem
+    from raylift.run.launch import tracking_for_run
 
     monkeypatch.setattr(ray.util.client.ray, "is_connected", lambda: True)
     with (
@@ -159,7 +154,7 @@ def test_a_local_tracking_store_over_ray_client_stops_before_any_worker(
         tracking_for_run("sqlite:////x/mlflow.db"),
     ):
         pass
-    from raylift.tracking import is_local_store
+    from raylift.artifacts.tracking import is_local_store
 
     assert is_local_store("sqlite:///a.db") and is_local_store("./mlruns")
     assert not is_local_store("http://127.0.0.1:5000")
@@ -171,7 +166,7 @@ def test_the_trainer_starts_no_dataset_manager_for_a_run_without_ray_datasets() 
     keeps every other default callback (placement-group cleanup, metrics, the backend)."""
     from ray.train import RunConfig, ScalingConfig
 
-    from raylift.launch import trainer_class
+    from raylift.run.launch import trainer_class
 
     trainer = trainer_class()(
         lambda config: None,
@@ -221,7 +216,7 @@ def build_head() -> None:
 
 
 def test_ranks_that_fail_differently_each_show_their_traceback_under_their_ranks() -> None:
-    from raylift.launch import _failure_message
+    from raylift.run.failures import failure_message
 
     group = rays_error(
         {
@@ -230,7 +225,7 @@ def test_ranks_that_fail_differently_each_show_their_traceback_under_their_ranks
             2: raised(load_batch, 4),  # alike but for a number: Ray groups it
         }
     )
-    said = _failure_message(group, make_config(name="r"))
+    said = failure_message(group, make_config(name="r"))
     head, *lines = said.splitlines()
     assert head == (
         "training run 'r' failed: worker rank 0: IndexError: index 3 is out of bounds for "
@@ -244,10 +239,10 @@ def test_ranks_that_fail_differently_each_show_their_traceback_under_their_ranks
 
 
 def test_ranks_that_fail_alike_are_named_with_their_one_traceback() -> None:
-    from raylift.launch import _failure_message
+    from raylift.run.failures import failure_message
 
     group = rays_error({r: raised(load_batch, 3) for r in (0, 1, 2, 3, 5)})
-    said = _failure_message(group, make_config(name="r"))
+    said = failure_message(group, make_config(name="r"))
     assert said.splitlines()[0] == (
         "training run 'r' failed: worker ranks 0-3,5: IndexError: index 3 is out of bounds "
         "for axis 0 with size 3"
@@ -256,7 +251,7 @@ def test_ranks_that_fail_alike_are_named_with_their_one_traceback() -> None:
 
 
 def test_rank_groups_are_read_as_ray_writes_them_and_ranges_should_it_write_them() -> None:
-    from raylift.launch import _label, _ranks
+    from raylift.run.failures import _label, _ranks
 
     assert _ranks("0,1") == [0, 1] and _ranks("7") == [7]
     assert _ranks("0-3, 5") == [0, 1, 2, 3, 5]
@@ -271,13 +266,13 @@ def test_a_failed_runs_message_and_tracebacks_go_to_the_runs_log_too(
     import io
     import sys
 
-    from raylift import console
     from raylift.cli import _run_error
-    from raylift.launch import RunFailed, _failure_message
+    from raylift.core import console
+    from raylift.run.launch import RunFailed, failure_message
 
     screen, log = io.StringIO(), tmp_path / "run.log"
     monkeypatch.setattr(sys, "stderr", console.Router(screen, console.DriverSink(log)))
-    said = _failure_message(rays_error({0: raised(build_head)}), make_config(name="r"))
+    said = failure_message(rays_error({0: raised(build_head)}), make_config(name="r"))
     assert _run_error(RunFailed(said)) == 1
     assert "in build_head" in said
     assert screen.getvalue() == log.read_text() == f"raylift: {said}\n"

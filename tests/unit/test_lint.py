@@ -1,7 +1,9 @@
-"""ruff and mypy on src/ run as part of the test command, so CI enforces them."""
+"""ruff, mypy and the layers contract (import-linter) run as part of the test command, so
+CI enforces them; and raylift's own imports sit at the top of each module, in no cycle."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -21,7 +23,11 @@ LINTERS = {
     "ruff-check": ["ruff", "check", "src", "tests"],
     "ruff-format": ["ruff", "format", "--check", "src", "tests"],
     "mypy": ["mypy", "--cache-dir", str(CACHE / "mypy"), "src"],
+    # pyproject.toml's [tool.importlinter]: the layers, the independent engines, no cycles
+    "lint-imports": ["lint-imports", "--no-cache"],
 }
+# The entry point, which loads each command when it runs (its docstring says why).
+LATE_IMPORTS_ALLOWED = {"cli.py"}
 
 
 def start(name: str) -> subprocess.Popen[str] | None:
@@ -41,3 +47,34 @@ def test_clean(name: str) -> None:
         pytest.skip(f"{LINTERS[name][0]} is not installed (pip install -e '.[dev]')")
     out, _ = finish_output(proc, name)
     assert proc.returncode == 0, out
+
+
+def test_no_module_cycle_anywhere_in_raylift() -> None:
+    """Across packages too (import-linter's cycle contract looks within each one)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("raylift")
+    cycles = [
+        (m, n)
+        for m in graph.modules
+        for n in graph.find_modules_directly_imported_by(m)
+        if graph.chain_exists(importer=n, imported=m)
+    ]
+    assert cycles == []
+
+
+def test_raylift_modules_are_imported_at_the_top_of_each_module() -> None:
+    """An import inside a function hides a dependency from the reader (and once hid the
+    cycles the layers removed); only the entry point defers its imports."""
+    late = []
+    for path in sorted((REPO / "src" / "raylift").rglob("*.py")):
+        if path.relative_to(REPO / "src" / "raylift").as_posix() in LATE_IMPORTS_ALLOWED:
+            continue
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any(n == "raylift" or n.startswith("raylift.") for n in names):
+                    late.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert late == []

@@ -12,14 +12,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift.checkpoint import LOOP_FILE, CheckpointError, _listed, read_loop_state
-from raylift.config import EarlyStoppingConfig, OptimConfig, merge
+from raylift.core.config import EarlyStoppingConfig, OptimConfig, merge
 from raylift.data.ingest import to_device
-from raylift.loop import LoopState, early_stop_update, seed_everything
-from raylift.optim import lr_factor
-from raylift.precision import resolve_precision
+from raylift.run.loop import LoopState, early_stop_update, seed_everything
 from raylift.strategies.ddp import build_ddp
 from raylift.tasks import build_task
+from raylift.tensors.checkpoints import LOOP_FILE, CheckpointError, _listed, read_loop_state
+from raylift.tensors.optim import lr_factor
+from raylift.tensors.precision import resolve_precision
 from tests.helpers import (
     BASE,
     ListTracker,

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from raylift.metrics import (
+from raylift.tasks import build_task
+from raylift.tensors.metrics import (
     PHASES,
     PhaseClock,
     breakdown,
@@ -23,7 +24,6 @@ from raylift.metrics import (
     mfu,
     remember_best,
 )
-from raylift.tasks import build_task
 from tests.helpers import ListTracker, LocalReporter, make_config, make_trainer, run_ranks
 
 
@@ -184,7 +184,7 @@ def test_every_log_interval_carries_the_breakdown_throughput_mfu_and_memory(
 
 def _host_reads(tmp_path: Path, steps: int) -> float:
     """``.item()``-style reads outside the optimizer during a run of ``steps`` logged once."""
-    from raylift.probe import trace_stats
+    from raylift.run.probe import trace_stats
 
     dist.init_process_group(
         "gloo", init_method=f"file://{tmp_path / f'pg{steps}'}", rank=0, world_size=1

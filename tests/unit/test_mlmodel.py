@@ -14,11 +14,13 @@ from typing import Any
 import pytest
 import torch
 
-from raylift.checkpoint import FORMAT, LOOP_FILE
-from raylift.config import ConfigError, load_config
+from raylift.artifacts.mlmodel import choose_checkpoint, dataset_records, monitored
+from raylift.core.config import ConfigError
+from raylift.core.names import is_mlflow_uri
 from raylift.data.shards import Manifest, ShardFile
-from raylift.metrics import system_now
-from raylift.mlmodel import choose_checkpoint, dataset_records, is_mlflow_uri, monitored
+from raylift.tensors.checkpoints import FORMAT, LOOP_FILE
+from raylift.tensors.metrics import system_now
+from raylift.validation import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -27,7 +29,7 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 def fake_checkpoint(run: Path, step: int, val_loss: float | None, complete: bool = True) -> None:
     """A one-rank checkpoint holding only its loop state: complete (its rank's listing of
     what it wrote, as a save writes it last) or not."""
-    from raylift.checkpoint import file_digest
+    from raylift.tensors.checkpoints import file_digest
 
     folder = run / f"checkpoint-step{step:08d}"
     folder.mkdir(parents=True)
@@ -71,7 +73,7 @@ def test_best_follows_early_stopping_else_val_loss() -> None:
 def test_best_keeps_the_best_checkpoints_not_only_the_newest() -> None:
     """With keep: 3 and patience past three evaluations, the newest three alone would no
     longer hold the best one by the end of the run."""
-    from raylift.launch import checkpoint_config
+    from raylift.run.launch import checkpoint_config
 
     final = checkpoint_config(load_config(QUICKSTART, ["checkpoint.keep=3"]))
     assert final.num_to_keep == 3 and final.checkpoint_score_attribute is None
@@ -141,8 +143,8 @@ def test_system_metrics_name_the_workers_gpu() -> None:
 def test_a_submitted_jobs_default_store_is_under_raylift_home(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from raylift.submit import runtime_env
-    from raylift.tracking import SUBMITTED, default_uri
+    from raylift.artifacts.tracking import SUBMITTED, default_uri
+    from raylift.commands.submit import runtime_env
 
     env = runtime_env(load_config(QUICKSTART), tmp_path)
     assert env["env_vars"][SUBMITTED] == "1"
@@ -161,7 +163,7 @@ def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
     job: what the run logs must land beside the store in $RAYLIFT_HOME instead."""
     from mlflow.tracking import MlflowClient
 
-    from raylift.tracking import start_run
+    from raylift.artifacts.tracking import start_run
 
     home, job = tmp_path / "home", tmp_path / "job"
     home.mkdir()
@@ -207,7 +209,7 @@ def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) 
     once, the second insert fails on the store's unique constraint (seen with two jobs on
     one sqlite store). Here the other run's row is committed between this run's look-up
     and its insert: MLflow raises its real error, and the retry links the winner's row."""
-    from raylift.tracking import DatasetRecord, Store
+    from raylift.artifacts.tracking import DatasetRecord, Store
 
     db = tmp_path / "mlflow.db"
     store = Store(f"sqlite:///{db}")
@@ -243,10 +245,11 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
     is fetched back as ``model.weights: models:/NAME/1`` fetches it."""
     import mlflow
 
-    from raylift.mlmodel import download
+    from raylift.artifacts.mlmodel import download
+    from raylift.artifacts.tracking import Store, start_run
     from raylift.tasks import build_task
-    from raylift.tracking import Store, start_run
-    from raylift.weights import WeightsError, check_for_config
+    from raylift.tensors.preflight import check_for_config
+    from raylift.tensors.weights import WeightsError
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
     work.mkdir()
@@ -279,7 +282,7 @@ def test_two_commands_creating_the_experiment_at_once_both_use_it(tmp_path: Path
     create: MLflow's real error, then this command finds the winner's."""
     from mlflow.tracking import MlflowClient
 
-    from raylift.tracking import experiment_id
+    from raylift.artifacts.tracking import experiment_id
 
     db = tmp_path / "mlflow.db"
     client = MlflowClient(f"sqlite:///{db}")

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from raylift.config import OptimConfig
-from raylift.optim import build_optimizer, describe, implementation
+from raylift.core.config import OptimConfig
+from raylift.tensors.optim import build_optimizer, describe, implementation
 
 
 def fake(device: str, dtype: torch.dtype = torch.float32) -> SimpleNamespace:

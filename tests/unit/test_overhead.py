@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from raylift.loop import seed_everything
-from raylift.optim import param_groups
-from raylift.precision import resolve_precision
-from raylift.probe import launches, syncs
+from raylift.run.loop import seed_everything
+from raylift.run.probe import launches, syncs
 from raylift.tasks import build_task
+from raylift.tensors.optim import param_groups
+from raylift.tensors.precision import resolve_precision
 from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer, tensors
 
 GPT = {

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from raylift.cli import main
-from raylift.config import load_config
-from raylift.plan import (
+from raylift.run.plan import (
     GIB,
     USABLE,
     activations_per_sample,
@@ -17,6 +16,7 @@ from raylift.plan import (
     model_states,
     resolve_auto,
 )
+from raylift.validation import load_config
 
 GPT = Path(__file__).resolve().parents[2] / "configs" / "gpt-tiny.yaml"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylift.precision import ACCEPTED, PRECISIONS, DeviceFacts, choose, resolve_precision
+from raylift.tensors.precision import ACCEPTED, PRECISIONS, DeviceFacts, choose, resolve_precision
 
 CPU = "AMD EPYC 7B13"
 
@@ -61,7 +61,7 @@ def test_fp32_allows_tf32_on_cuda_and_32_true_keeps_it_exact() -> None:
 
 @pytest.mark.gpu
 def test_tf32_follows_the_precision_on_cuda() -> None:
-    from raylift.metrics import math_key
+    from raylift.tensors.metrics import math_key
 
     try:
         PRECISIONS["32"].configure_matmul(torch.device("cuda"))

@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from raylift.doctor import doctor_config
-from raylift.probe import PREFIX, DoctorProbe, trace_stats
+from raylift.commands.doctor import doctor_config
+from raylift.run.probe import PREFIX, DoctorProbe, trace_stats
 from tests.helpers import ListTracker, LocalReporter, make_config, make_trainer
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylift.context import WorkerContext
-from raylift.metrics import PHASES, PhaseClock
-from raylift.progress import Interval, IntervalMeter, Rates, console_line
+from raylift.run.context import WorkerContext
+from raylift.run.progress import Interval, IntervalMeter, Rates, console_line
+from raylift.tensors.metrics import PHASES, PhaseClock
 
 
 class Ticks:

@@ -10,8 +10,14 @@ from typing import IO, cast
 import pytest
 import torch
 
-from raylift.checkpoint import FORMAT, LOOP_FILE, CheckpointError, CheckpointReader, seal_checkpoint
-from raylift.lazytorch import concat_range, load_lazy
+from raylift.tensors.checkpoints import (
+    FORMAT,
+    LOOP_FILE,
+    CheckpointError,
+    CheckpointReader,
+    seal_checkpoint,
+)
+from raylift.tensors.lazytorch import concat_range, load_lazy
 
 MIB = 2**20
 

@@ -7,7 +7,7 @@ on it, so a Ray upgrade that changes one says what to mend:
 
 - ``check.node_types``: the autoscaler's published node types,
   ``ray._private.state.state.get_cluster_config()`` (no public API lists them);
-- ``launch.check_token``: ``ray._raylet.GcsClient`` raising ``AuthenticationError``, to
+- ``connect.check_token``: ``ray._raylet.GcsClient`` raising ``AuthenticationError``, to
   name the fix before ``ray.init`` retries for 20 s;
 - ``launch.trainer_class``: Train's ``TorchTrainer._create_default_callbacks``, to start no
   idle ``DatasetManager`` for a run without Ray Datasets (tests/unit/test_launch.py checks
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-import raylift.faults
+import raylift.run.faults
 
 
 def needs(thing: object, what: str, user: str) -> None:
@@ -57,11 +57,11 @@ def test_the_token_check_has_rays_gcs_client_and_its_authentication_error() -> N
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
     except ImportError:
         GcsClient = None
-    needs(GcsClient, "ray._raylet.GcsClient", "launch.check_token")
+    needs(GcsClient, "ray._raylet.GcsClient", "connect.check_token")
     needs(
         getattr(ray.exceptions, "AuthenticationError", None),
         "ray.exceptions.AuthenticationError",
-        "launch.check_token",
+        "connect.check_token",
     )
     # The client is compiled (no signature to read): that it raises AuthenticationError
     # for a token cluster is tests/integration/test_data.py's test of joining one.
@@ -85,9 +85,9 @@ def test_a_dead_workers_error_in_trains_health_check_keeps_its_actor_id() -> Non
 
     died = ActorDiedError(ActorDiedErrorContext(actor_id=b"\x02" * 16, pid=7))
     wrapped = WorkerHealthCheckFailedError("the worker's health check failed", died)
-    assert raylift.faults._actor_id(wrapped) == died.actor_id == "02" * 16, (
+    assert raylift.run.faults._actor_id(wrapped) == died.actor_id == "02" * 16, (
         "Train's WorkerHealthCheckFailedError no longer keeps Ray's error as "
-        "health_check_failure, or it lost actor_id: mend raylift.faults._actor_id"
+        "health_check_failure, or it lost actor_id: mend raylift.run.faults._actor_id"
     )
 
 
@@ -97,9 +97,9 @@ def test_a_users_exception_is_kept_in_trains_wrapper() -> None:
     wrapped = UserExceptionWithTraceback(ValueError("the user's"), "Traceback ...")
     assert isinstance(getattr(wrapped, "_base_exc", None), ValueError), (
         "Train's UserExceptionWithTraceback no longer keeps the exception as _base_exc: "
-        "mend raylift.faults.cause"
+        "mend raylift.run.faults.cause"
     )
-    what, _ = raylift.faults.cause(wrapped)
+    what, _ = raylift.run.faults.cause(wrapped)
     assert what == "ValueError: the user's"
 
 
@@ -112,11 +112,11 @@ def test_a_dead_actors_error_names_its_node_as_raylift_reads_it() -> None:
         node_ip_address="10.1.2.3", error_message="Worker exit type: SYSTEM_ERROR",
     )  # fmt: skip
     error = ActorDiedError(context)
-    _, node = raylift.faults.cause(error)
+    _, node = raylift.run.faults.cause(error)
     assert node == "10.1.2.3", f"Ray's ActorDiedError text changed: mend faults._IP\n{error}"
 
 
-SRC = Path(raylift.faults.__file__).parent
+SRC = Path(raylift.__file__).parent
 # Every module of raylift that imports Ray (13 today), found by reading them all.
 RAY_USERS = sorted(
     str(p.relative_to(SRC))
@@ -137,7 +137,7 @@ PRIVATE = re.compile(
 
 def test_every_module_that_imports_ray_is_scanned() -> None:
     assert len(RAY_USERS) >= 13, RAY_USERS
-    assert {"launch.py", "worker.py", "data/sources.py", "data/shards.py"} <= set(RAY_USERS)
+    assert {"run/launch.py", "run/worker.py", "data/sources.py", "data/shards.py"} <= set(RAY_USERS)
 
 
 @pytest.mark.parametrize("module", RAY_USERS)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from raylift.config import config_from_dict, merge
+from raylift.core.config import merge
 from raylift.tasks import task_problems
+from raylift.validation import config_from_dict
 from tests.helpers import BASE, ListTracker, LocalReporter, init_pg, make_trainer
 
 TASKS = Path(__file__).resolve().parents[2] / "docs" / "tasks.md"

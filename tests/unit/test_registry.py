@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from raylift.cli import main
-from raylift.config import AUTO, ConfigError, StrategyConfig, load_config
+from raylift.commands.submit import pip_packages
+from raylift.core.config import AUTO, ConfigError, StrategyConfig
 from raylift.strategies import REGISTRY, config_problems, plan_row_for, plan_rows, spec_for
 from raylift.strategies.registry import COMMON_OPTIONS
-from raylift.submit import pip_packages
+from raylift.validation import load_config
 
 GPT = str(Path(__file__).resolve().parents[2] / "configs" / "gpt-tiny.yaml")
 

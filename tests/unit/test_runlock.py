@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from raylift import runlock, storage
 from raylift.cli import main as cli_main
+from raylift.core import runlock, storage
 
 # The holders here never race: a short settle time keeps the tests from waiting on it.
 SETTLE_S = 0.2
 HOLD = f"""
 import sys, time
-from raylift import runlock
-from raylift.runlock import hold
+from raylift.core import runlock
+from raylift.core.runlock import hold
 runlock.SETTLE_S = {SETTLE_S}
 with hold(sys.argv[1], "run 'x'", print):
     print("held", flush=True)

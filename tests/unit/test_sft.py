@@ -249,7 +249,7 @@ SFT_RUNS = {
 def train_sft(rank: int, world: int, cfg_dict: dict, data: str, out: str) -> None:
     """Train on the chat file's windows (prepared as prep would, without Ray); rank 0
     keeps the curve."""
-    from raylift.config import config_from_dict
+    from raylift.validation import config_from_dict
     from tests.chats import sft_tensors
     from tests.helpers import ListTracker, LocalReporter, make_trainer
 
@@ -267,7 +267,7 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
     """30 steps, fp32, 2 ranks: fsdp, ZeRO-2, ZeRO-3 and fairscale on DDP's curve (1e-5),
     and LoRA adapters under ddp and fsdp on the same curve as each other; both learn (the
     trained tokens' loss falls)."""
-    from raylift.config import merge
+    from raylift.core.config import merge
     from tests.chats import model_folder, write_chats
     from tests.helpers import SHIPPED_TRAINING, make_config, run_ranks
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raylift.config import load_config
+from raylift.validation import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 
@@ -38,8 +38,8 @@ def test_the_config_a_run_saves_loads_back_to_the_one_it_ran(
     ``num_key_value_heads`` is a setting, not a secret."""
     import yaml
 
-    from raylift.config import config_from_dict
-    from raylift.launch import RUN_CONFIG, record_config
+    from raylift.run.launch import RUN_CONFIG, record_config
+    from raylift.validation import config_from_dict
 
     if path == "inline-llama":
         cfg = config_from_dict(INLINE_LLAMA | {"storage": str(tmp_path)})
@@ -52,7 +52,7 @@ def test_the_config_a_run_saves_loads_back_to_the_one_it_ran(
 
 
 def test_credentials_are_masked_wherever_they_are_in_a_config() -> None:
-    from raylift.tracking import REDACTED, redact
+    from raylift.artifacts.tracking import REDACTED, redact
 
     masked = redact({
         "tracking.uri": "https://alice:s3cret@mlflow.example.com",

@@ -8,9 +8,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from raylift import tracking
-from raylift.startup import PHASES, Startup, from_metrics, process_start, table
-from raylift.worker import logged_startup_since
+from raylift.artifacts import tracking
+from raylift.core.startup import PHASES, Startup, from_metrics, process_start, table
+from raylift.run.worker import logged_startup_since
 
 
 def test_phases_are_contiguous_and_add_up_to_the_total() -> None:

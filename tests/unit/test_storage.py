@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from raylift.storage import filesystem, is_remote, join, local_path, resolve
+from raylift.core.storage import filesystem, is_remote, join, local_path, resolve
 
 URIS = ["s3://bucket/runs", "gs://bucket/runs/"]
 
@@ -49,7 +49,7 @@ def test_filesystem_of_a_local_path(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_a_listed_path_gets_its_scheme_back_only_under_a_uri() -> None:
-    from raylift.storage import as_uri
+    from raylift.core.storage import as_uri
 
     assert as_uri("bucket/images/a.jpg", like="s3://bucket/images") == "s3://bucket/images/a.jpg"
     assert as_uri("/data/a.jpg", like="/data") == "/data/a.jpg"
@@ -93,9 +93,9 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     )
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from raylift.launch import _failure_message, _root
-    from raylift.saving import Save
-    from raylift.storage import StorageError, reaching, write_bytes
+    from raylift.core.storage import StorageError, reaching, write_bytes
+    from raylift.run.failures import failure_message, root_of
+    from raylift.run.saving import Save
     from raylift.strategies.base import written
     from tests.helpers import make_config
 
@@ -118,6 +118,6 @@ def test_a_store_that_fails_mid_run_is_one_line_naming_the_uri_its_message_and_t
     wrapped = UserExceptionWithTraceback(caught.value, "Traceback ...")
     group = WorkerGroupPollStatus({0: WorkerStatus(False, wrapped)}).get_worker_group_error()
     assert isinstance(group, WorkerGroupError) and group.worker_failures == {0: caught.value}
-    line = _failure_message(group, make_config(name="r"))
+    line = failure_message(group, make_config(name="r"))
     assert line == f"training run 'r' failed: {said}"
-    assert _root(group, StorageError) is caught.value
+    assert root_of(group, StorageError) is caught.value

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from raylift.artifacts.export import consolidated_state_dict
 from raylift.cli import main
-from raylift.config import ConfigError, load_config, merge
-from raylift.export import consolidated_state_dict
-from raylift.plan import count_params, model_states
+from raylift.core.config import ConfigError, merge
+from raylift.run.plan import count_params, model_states
 from raylift.tasks import build_task
+from raylift.validation import load_config
 from tests.helpers import (
     GPT_SMALL,
     make_config,
@@ -122,8 +123,8 @@ def test_export_loads_into_the_plain_model(tmp_path: Path) -> None:
     model.load_state_dict(state)  # strict: every key matches
     assert main(["export", str(tmp_path / "nothing"), "--out", str(out)]) == 2
     # safetensors: what model.weights reads, for a run that starts from this one
-    from raylift.init import write_in_place
-    from raylift.weights import load
+    from raylift.tensors.init import write_in_place
+    from raylift.tensors.weights import load
 
     st = tmp_path / "model.safetensors"
     assert main(["export", str(tmp_path / "run"), "--out", str(st)]) == 0

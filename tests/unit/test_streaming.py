@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from raylift.streaming import CODES, Spec, write_hf_shards, write_safetensors
+from raylift.tensors.streaming import CODES, Spec, write_hf_shards, write_safetensors
 
 SHAPES = [(), (0,), (1,), (3, 257, 129)]
 

@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from raylift.config import ConfigError, load_config
-from raylift.submit import (
+from raylift.commands.submit import (
     config_in_working_dir,
     entrypoint,
     job_lines,
     runtime_env,
     submission_id,
 )
+from raylift.core.config import ConfigError
+from raylift.validation import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
@@ -38,8 +39,8 @@ def test_runtime_env_ships_the_folder_and_the_extras_the_config_needs(tmp_path: 
     assert env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
     ds = runtime_env(load_config(QUICKSTART, ["strategy.name=deepspeed"]), tmp_path)
     assert ds["pip"] == ["deepspeed>=0.19"]
-    from raylift.config import Config
-    from raylift.submit import pip_packages
+    from raylift.commands.submit import pip_packages
+    from raylift.core.config import Config
 
     assert pip_packages(Config(task="hf-causal-lm")) == ["transformers>=4.45"]  # raylift[hf]
 
@@ -76,7 +77,7 @@ def test_validate_prints_no_secret_values(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_in_place_runs_in_the_folder_every_node_mounts(tmp_path: Path) -> None:
-    from raylift.config import Config
+    from raylift.core.config import Config
 
     env = runtime_env(Config(), tmp_path, in_place=True)
     assert env["working_dir"] == f"local://{tmp_path}" and "excludes" not in env
@@ -101,7 +102,7 @@ def test_the_job_log_shows_the_run_not_rays_records(monkeypatch: pytest.MonkeyPa
 def test_a_job_driver_adds_only_what_its_job_env_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     import json
 
-    from raylift.launch import job_env_vars
+    from raylift.run.connect import job_env_vars
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     assert job_env_vars() == {}

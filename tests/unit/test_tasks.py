@@ -210,7 +210,7 @@ def test_one_text_file_is_split_by_window_the_same_anywhere_within_max_bytes(
 
 
 def test_a_corpus_with_no_text_is_refused_naming_it(tmp_path: Path) -> None:
-    from raylift.data.sources import SourceError
+    from raylift.core.errors import SourceError
 
     with pytest.raises(SourceError, match="holds no files"):
         GPTTask(corpus=str(tmp_path)).sources()

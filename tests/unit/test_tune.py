@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from raylift.config import ConfigError, load_config
-from raylift.tune import (
+from raylift.commands.tune import (
     SweepResult,
     TrialRow,
     _stopped,
@@ -17,6 +16,8 @@ from raylift.tune import (
     search_alg,
     trial_config,
 )
+from raylift.core.config import ConfigError
+from raylift.validation import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SWEEP = REPO / "configs" / "sweep-digits.yaml"
@@ -118,7 +119,7 @@ def test_the_best_config_is_written_beside_the_sweep_on_any_storage(
 ) -> None:
     """best.yaml goes into the sweep's folder, a local one or a bucket on the S3 server
     (it was written only for local storage), and `raylift train` loads it from there."""
-    from raylift.tune import TrialRow, _write_best
+    from raylift.commands.tune import TrialRow, _write_best
 
     storage = str(tmp_path / "runs")
     if where == "s3":

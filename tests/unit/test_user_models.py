@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from raylift.config import merge
-from raylift.init import kept_by_name, params_on_meta
+from raylift.core.config import merge
+from raylift.tensors.init import kept_by_name, params_on_meta
 from tests.helpers import SHIPPED_TRAINING, make_config, run_ranks, train_runs
 from tests.unit.test_init import initial_params
 from tests.user_models import LlamaLM, NormLM
@@ -77,7 +77,7 @@ def test_every_strategy_follows_ddps_fp32_curve(user_runs: tuple) -> None:
 def test_the_models_own_initialisation_is_used() -> None:
     """Llama: its _init_weights (N(0, 0.02) linears, ones for RMSNorm); NormLM: the
     constructor's values where no reset_parameters() exists (gain 1, the drawn scale)."""
-    from raylift.init import initialize, write_in_place
+    from raylift.tensors.init import initialize, write_in_place
 
     llama = LlamaLM()
     with params_on_meta() as kept:

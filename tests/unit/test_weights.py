@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylift.config import merge
+from raylift.core.config import merge
 from raylift.tasks import build_task
-from raylift.weights import WeightsError, check, load
+from raylift.tensors.weights import WeightsError, check, load
 from tests.helpers import GPT_SMALL, HANG_S, make_config, run_ranks
 from tests.unit.test_init import STRATEGIES, initial_params
 
@@ -78,7 +78,7 @@ def test_bad_weights_name_the_tensor_and_the_file(tmp_path: Path) -> None:
 def test_a_sharded_folder_with_its_index_loads(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from raylift.init import write_in_place
+    from raylift.tensors.init import write_in_place
 
     good, values = pretrained(tmp_path)
     tensors = load_file(str(good))
@@ -150,7 +150,7 @@ def test_the_drivers_check_of_weights_in_an_object_store_reads_their_headers_onl
     wrong shape is still named."""
     from safetensors.torch import save_file
 
-    from raylift import storage
+    from raylift.core import storage
     from tests.helpers import CountingProxy
 
     weights = {"weight": torch.zeros(1024, 1024), "bias": torch.zeros(1024)}

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from raylift.storage import filesystem
+from raylift.core.storage import filesystem
 from raylift.tasks.base import Batch
 
 Columns = dict[str, np.ndarray]

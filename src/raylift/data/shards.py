@@ -23,15 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from raylift import console
-from raylift.config import Config
+from raylift.core import console
+from raylift.core.config import Config
+from raylift.core.errors import SourceError
+from raylift.core.storage import filesystem, is_remote, join, resolve
+from raylift.data.ingest import table_to_numpy
 from raylift.data.sources import (
     SPLIT_COLUMN,
     SPLITS,
     RowSplit,
     Skipped,
     Source,
-    SourceError,
     as_dataset,
     check_sources,
     drop_bad_rows,
@@ -42,7 +44,6 @@ from raylift.data.sources import (
     val_outputs,
     val_rows,
 )
-from raylift.storage import filesystem, is_remote, join, resolve
 from raylift.tasks.base import Columns, Task
 
 if TYPE_CHECKING:
@@ -768,8 +769,6 @@ def head(manifest: Manifest, split: str, rows: int) -> Columns:
     import pyarrow as pa
     import pyarrow.parquet as pq
     import ray.data  # noqa: F401  registers Ray's tensor column type with pyarrow
-
-    from raylift.data.ingest import table_to_numpy
 
     tables: list[Any] = []
     for shard in manifest.splits.get(split, ()):

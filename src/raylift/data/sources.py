@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
+from raylift.core.errors import SourceError
+from raylift.core.storage import filesystem
 from raylift.tasks.base import Columns
 
 if TYPE_CHECKING:
@@ -41,10 +43,6 @@ ERROR_COLUMN = "_error"
 # The column a RowSplit's preprocessed rows carry to the write, which files them by it.
 SPLIT_COLUMN = "_split"
 FILE_SHUFFLE_SEED = 0
-
-
-class SourceError(ValueError):
-    """A task's raw data cannot be read: the message names the path and what is wrong."""
 
 
 def in_val(key: bytes, percent: int) -> bool:
@@ -170,7 +168,6 @@ def read_bytes(path: str, limit: int | None = None) -> bytes:
     if "://" not in path:
         with open(path, "rb") as f:
             return f.read(-1 if limit is None else limit)
-    from raylift.storage import filesystem
 
     fs, where = filesystem(path)
     with fs.open_input_stream(where) as stream:

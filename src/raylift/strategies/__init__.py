@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from raylift.config import AUTO, Config, StrategyConfig
+from raylift.core.config import AUTO, Config, StrategyConfig
 from raylift.strategies import ddp, deepspeed, fairscale, fsdp
 from raylift.strategies.base import Engine, TorchEngine
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
@@ -45,8 +45,8 @@ def spec_for(name: str) -> StrategySpec:
 def config_problems(cfg: Config) -> list[str]:
     """What the config alone shows wrong with its strategy section and how it meets the rest.
 
-    An unknown name is left to ``StrategyConfig.problems``; ``auto`` reads no option,
-    since the plan sets the options of the strategy it picks.
+    An unknown name is left to :func:`raylift.validation.registry_problems`; ``auto``
+    reads no option, since the plan sets the options of the strategy it picks.
     """
     spec = REGISTRY.get(cfg.strategy.name)
     if spec is None:

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from raylift.precision import Precision
-from raylift.ranged import Files, dcp_reader
-from raylift.streaming import DCPModel
+from raylift.tensors.precision import Precision
+from raylift.tensors.ranged import Files, dcp_reader
+from raylift.tensors.streaming import DCPModel
 
 # Writes a part taken by ``save`` (from any thread); where each item starts, by file.
 Write = Callable[[], dict[str, list[int]]]

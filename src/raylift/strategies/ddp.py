@@ -7,13 +7,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from raylift.adapters import keep_trainable_fp32
-from raylift.config import Config
-from raylift.init import Initializer, write_in_place
-from raylift.optim import build_optimizer
-from raylift.precision import Precision
+from raylift.core.config import Config
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.tensors.adapters import keep_trainable_fp32
+from raylift.tensors.init import Initializer, write_in_place
+from raylift.tensors.optim import build_optimizer
+from raylift.tensors.precision import Precision
 
 
 def problems(cfg: Config) -> list[str]:

@@ -27,13 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylift import storage
-from raylift.config import AUTO, Config, merge
-from raylift.init import Initializer, write_in_place, write_zero3
-from raylift.lazytorch import load_lazy
-from raylift.optim import build_optimizer
-from raylift.precision import PRECISIONS, Precision
-from raylift.ranged import Files
+from raylift.core import storage
+from raylift.core.config import AUTO, Config, merge
 from raylift.strategies.base import (
     Write,
     apply_activation_checkpointing,
@@ -52,7 +47,13 @@ from raylift.strategies.zero_layout import (
     share,
     write_settings,
 )
-from raylift.streaming import LazyModel, Spec, saved_model
+from raylift.tensors.checkpoints import CheckpointError, CheckpointReader
+from raylift.tensors.init import Initializer, write_in_place, write_zero3
+from raylift.tensors.lazytorch import load_lazy
+from raylift.tensors.optim import build_optimizer
+from raylift.tensors.precision import PRECISIONS, Precision
+from raylift.tensors.ranged import Files
+from raylift.tensors.streaming import LazyModel, Spec, saved_model
 
 TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
 ENGINE_DIR = "engine"
@@ -99,8 +100,7 @@ def import_deepspeed(device_type: str) -> Any:
 
 
 def checkpoint_error(message: str) -> Exception:
-    # Late import: raylift.checkpoint imports the strategies package, which imports this.
-    from raylift.checkpoint import CheckpointError
+    # Late import: raylift.tensors.checkpoints imports the strategies package, which imports this.
 
     return CheckpointError(message)
 
@@ -541,8 +541,6 @@ class DeepSpeedEngine:
         """ZeRO partitions laid out for another world size: DeepSpeed's universal load,
         fed this rank's share of each weight's master copy and moments, read by range from
         the saved partitions and checked before DeepSpeed starts (zero_layout)."""
-        from raylift.checkpoint import CheckpointError
-
         # The model states DeepSpeed's universal load opens: the shared file, or rank 0's.
         shared = [n for n in names if n.endswith("model_states.pt") and not _partition_of(n)]
         loaded = files.load_each(shared, _load_any)
@@ -638,8 +636,6 @@ def _partition_of(name: str) -> int | None:
 def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     """A full fp32 ``state_dict`` for the plain model, from a checkpoint folder (or its
     ``engine/`` folder) written by this engine; tied weights under every name."""
-    from raylift.checkpoint import CheckpointReader
-
     ckpt = directory.parent if directory.name == ENGINE_DIR else directory
     model = read_export(CheckpointReader(str(ckpt)))
     state = {spec.name: tensor for spec, tensor in model.tensors()}

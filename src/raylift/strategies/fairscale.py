@@ -15,12 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylift.adapters import keep_trainable_fp32
-from raylift.config import Config
-from raylift.init import Initializer, write_in_place
-from raylift.optim import implementation, optimizer_class_and_kwargs, param_groups
-from raylift.precision import PRECISIONS, Precision
-from raylift.ranged import Files
+from raylift.core.config import Config
 from raylift.strategies.base import (
     TorchEngine,
     Write,
@@ -29,7 +24,12 @@ from raylift.strategies.base import (
     written,
 )
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
-from raylift.streaming import LazyModel, saved_model
+from raylift.tensors.adapters import keep_trainable_fp32
+from raylift.tensors.init import Initializer, write_in_place
+from raylift.tensors.optim import implementation, optimizer_class_and_kwargs, param_groups
+from raylift.tensors.precision import PRECISIONS, Precision
+from raylift.tensors.ranged import Files
+from raylift.tensors.streaming import LazyModel, saved_model
 
 STATE_FILE = "consolidated.pt"
 

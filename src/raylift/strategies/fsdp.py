@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from raylift.adapters import keep_trainable_fp32
-from raylift.config import Config
-from raylift.init import Initializer, materialize, params_on_meta, write_dtensor
-from raylift.optim import build_optimizer
-from raylift.precision import Precision
+from raylift.core.config import Config
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.tensors.adapters import keep_trainable_fp32
+from raylift.tensors.init import Initializer, materialize, params_on_meta, write_dtensor
+from raylift.tensors.optim import build_optimizer
+from raylift.tensors.precision import Precision
 
 # torch.distributed.fsdp takes a second or more to import: it is imported where this
 # strategy is built, not wherever the registry is read (every config load).

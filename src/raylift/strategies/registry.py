@@ -14,11 +14,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from raylift.config import Config
-from raylift.init import Initializer, Kept
-from raylift.precision import Precision
+from raylift.core.config import Config
 from raylift.strategies.base import Engine
-from raylift.streaming import ModelTensors
+from raylift.tensors.init import Initializer, Kept
+from raylift.tensors.precision import Precision
+from raylift.tensors.streaming import ModelTensors
 
 # (model, config, precision, device, the model's repeated blocks, the initial-weights
 # pass, which the builder runs once the parameters have their storage) -> engine
@@ -26,11 +26,11 @@ Builder = Callable[
     [nn.Module, Config, Precision, torch.device, list[nn.Module], Initializer], Engine
 ]
 # (config, precision, device) -> the context the task's model is created in; it yields
-# the constructor values it kept (raylift.init.params_on_meta), or None
+# the constructor values it kept (raylift.tensors.init.params_on_meta), or None
 Creator = Callable[
     [Config, Precision, torch.device], contextlib.AbstractContextManager[Kept | None]
 ]
-# a checkpoint (raylift.checkpoint.CheckpointReader) -> the plain model's tensors, read
+# a checkpoint (raylift.tensors.checkpoints.CheckpointReader) -> the plain model's tensors, read
 # one at a time
 ExportReader = Callable[[Any], "ModelTensors"]
 
@@ -72,7 +72,7 @@ class StrategySpec:
     read_export: ExportReader
     plan_rows: tuple[PlanRow, ...]
     extras: tuple[str, ...] = ()  # pip requirements a cluster image may lack (raylift submit)
-    # Sharding strategies create the model without parameter storage (raylift.init).
+    # Sharding strategies create the model without parameter storage (raylift.tensors.init).
     create: Creator = lambda cfg, precision, device: contextlib.nullcontext()
     # How ``create`` builds a model without its whole storage, for the run's first lines.
     build_path: str = ""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raylift.lazytorch import LazyTensor, concat_range
+from raylift.tensors.lazytorch import LazyTensor, concat_range
 
 FP32 = "fp32"
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -37,16 +37,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylift.core.errors import SourceError
+from raylift.core.storage import as_uri, filesystem
 from raylift.data.sources import (
     RowSplit,
     Source,
-    SourceError,
     files_version,
     in_val,
     read_bytes,
     shuffled_files,
 )
-from raylift.storage import as_uri, filesystem
 from raylift.tasks.base import Batch, Columns
 
 VOCAB = 256
@@ -267,7 +267,7 @@ class GPTTask:
         return list(model.blocks)  # type: ignore[arg-type]
 
     def init_weights(self, module: nn.Module) -> None:
-        """GPT-2's initial weights, module by module (see raylift.init)."""
+        """GPT-2's initial weights, module by module (see raylift.tensors.init)."""
         GPT._init(module)
 
     def raw_source(self) -> str:

@@ -14,7 +14,7 @@ wins). Text comes from the ``gpt`` task's corpus reader (``corpus``, ``text_fiel
 byte 0) between them. The transformer layers are found from the model's own
 ``_no_split_modules`` (for FSDP wrapping, activation checkpointing and compile);
 the initial weights are the model's own ``_init_weights``, applied module by module
-(``raylift.init``).
+(``raylift.tensors.init``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.nn import functional as F
 
 from raylift.tasks.base import Batch, Columns
 from raylift.tasks.gpt import GPTTask, documents, windows
-from raylift.weights import INDEX, SINGLE
+from raylift.tensors.weights import INDEX, SINGLE
 
 
 def _transformers() -> Any:
@@ -121,7 +121,7 @@ class HFCausalLM(GPTTask):
 
     def build_model(self) -> nn.Module:
         # Initialised by its own _init_weights, module by module, as any Hugging Face
-        # model a task returns is (raylift.init).
+        # model a task returns is (raylift.tensors.init).
         tf = _transformers()
         if not _partitioned_as_built():
             return tf.AutoModelForCausalLM.from_config(self.config)

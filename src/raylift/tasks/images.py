@@ -27,15 +27,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import (
-    ERROR_COLUMN,
-    Source,
-    SourceError,
-    files_version,
-    in_val,
-    read_bytes,
-)
-from raylift.storage import as_uri, filesystem
+from raylift.core.errors import SourceError
+from raylift.core.storage import as_uri, filesystem
+from raylift.data.sources import ERROR_COLUMN, Source, files_version, in_val, read_bytes
 from raylift.tasks.base import Batch, Columns, ImageClassifier
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")

@@ -23,8 +23,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.data.sources import ERROR_COLUMN, RowSplit, Source, SourceError, files_version
-from raylift.storage import filesystem
+from raylift.core.errors import SourceError
+from raylift.core.storage import filesystem
+from raylift.data.shards import column_total
+from raylift.data.sources import ERROR_COLUMN, RowSplit, Source, files_version
 from raylift.tasks.base import Batch, Columns
 from raylift.tasks.chat import (
     FORMATS,
@@ -149,8 +151,6 @@ class HFSFT(HFCausalLM):
 
     def prep_notes(self, manifest: Any) -> list[str]:
         """After prep: how many examples were cut to ``block_size`` or left out."""
-        from raylift.data.shards import column_total
-
         longer = f"example(s) longer than block_size {self.block_size}"
         notes = []
         if cut := column_total(manifest, "truncated"):

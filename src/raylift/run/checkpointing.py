@@ -1,0 +1,161 @@
+"""Checkpoints from the worker's side: each rank writes its part of the engine's state
+with the loop's and the RNG's, and a restore reads them back into the engine, at any
+world size the engine can reshard to. The format itself is :mod:`raylift.tensors.checkpoints`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raylift.core import storage
+from raylift.run.context import WorkerContext
+from raylift.strategies.base import Engine, Write
+from raylift.tensors.checkpoints import (
+    FORMAT,
+    LOOP_FILE,
+    CheckpointError,
+    CheckpointReader,
+    agree_across,
+    rng_file,
+    rng_state,
+    same_base,
+    set_rng_state,
+)
+
+
+def write_checkpoint(
+    directory: Path, engine: Engine, loop_state: dict[str, Any], rank: int, copy: bool = False
+) -> Write:
+    """Collective: every rank takes its part for its own local ``directory``: the RNG and
+    loop state written now (small), the engine's state too or, with ``copy``, copied to
+    host memory for the returned call to write. That call returns where each item starts
+    in the engine's files (:func:`seal_checkpoint` checksums by them)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write = engine.save(directory, copy)
+    torch.save(rng_state(), directory / rng_file(rank))
+    if rank == 0:
+        state = {"format": FORMAT, **loop_state, "engine_extra": engine.extra_state()}
+        torch.save(state, directory / LOOP_FILE)
+    return write
+
+
+def load_checkpoint(
+    reader: CheckpointReader,
+    engine: Engine,
+    rank: int,
+    strategy: str,
+    base: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Restore ``engine`` and this rank's RNG; return the loop state saved with them.
+    ``base``: what the run's adapters train on (:func:`raylift.tensors.weights.base_of`)."""
+    directory = reader.directory
+    state = reader.loop_state()
+    if state.get("strategy") != strategy:
+        raise CheckpointError(
+            f"checkpoint {directory} was written by strategy {state.get('strategy')!r} but this "
+            f"run uses {strategy!r}; set strategy.name back, or start a new run under another name"
+        )
+    same_base(directory, state.get("base"), base)
+    try:
+        engine.load(reader)
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {directory}: model/optimizer state unreadable ({exc})"
+        ) from exc
+    engine.load_extra_state(state.pop("engine_extra", {}))
+    # After a change of world size a new rank has no RNG file; it keeps its fresh seed.
+    if reader.has(rng_file(rank)):
+        set_rng_state(reader.load(rng_file(rank)))
+    return state
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the loop is: saved in every checkpoint, restored on every restart."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    batch_in_epoch: int = 0  # micro-batches this rank ran in `epoch` (accumulation phase)
+    epoch_rows: int = 0  # rows of `epoch`'s global order consumed by all ranks: the data position
+    samples: int = 0  # global samples trained on
+    best: float | None = None  # early stopping
+    bad_evals: int = 0
+    stopped_early: bool = False
+    last_ckpt_step: int = -1
+    restarts: int = 0  # resumes from a checkpoint: failures, resizes, reruns
+    nonfinite_step: int = -1  # the step whose loss went inf/NaN (train.on_nan: stop)
+
+
+class Checkpointer:
+    """Reads a worker's checkpoints back (:class:`raylift.run.saving.Saver` writes them)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        ctx: WorkerContext,
+        strategy: str,
+        base: dict[str, str] | None = None,
+    ):
+        self.engine, self.ctx, self.strategy, self.base = engine, ctx, strategy, base
+        self.preempt_saved = False
+
+    def restore(self, directory: str) -> dict[str, Any]:
+        """Load the engine and this rank's RNG, each rank reading only what it needs; the
+        loop state saved with them. Collective: all ranks load, or all raise."""
+        agree = agree_across(self.ctx.world_size)
+        try:
+            reader = CheckpointReader(directory, agree)
+            saved, problem = (
+                load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy, self.base),
+                None,
+            )
+        except CheckpointError as exc:
+            reader, saved, problem = None, {}, str(exc)
+        agree(problem)
+        read = self._all_ranks(reader.read if reader else 0)
+        total = sum(f.size for f in reader.files.values()) if reader else 0
+        self.ctx.log(
+            f"raylift: restore read {read / 2**20:,.1f} MiB of the checkpoint's "
+            f"{total / 2**20:,.1f} MiB ({self.ctx.world_size} ranks together)"
+        )
+        return saved
+
+    def _all_ranks(self, n: int) -> int:
+        if self.ctx.world_size == 1:
+            return n
+        import torch.distributed as dist
+
+        counts: list[int] = [0] * self.ctx.world_size
+        dist.all_gather_object(counts, n)  # any backend's group, no tensor on a device
+        return sum(counts)
+
+    def record_restart(self, directory: str, state: LoopState, saved_world: int) -> None:
+        """One ``restarts`` metric and one tag per resume, and a line that says from where."""
+        now = self.ctx.world_size
+        self.ctx.tracker.log_metrics({"restarts": float(state.restarts)}, state.step)
+        self.ctx.tracker.set_tags(
+            {
+                f"raylift.restart.{state.restarts}": (
+                    f"step {state.step} from {storage.name(directory)}: "
+                    f"{saved_world} -> {now} workers"
+                )
+            }
+        )
+        self.ctx.log(
+            f"raylift: resumed from {directory} at step {state.step} "
+            f"(epoch {state.epoch}, row {state.epoch_rows} of its order; "
+            f"{saved_world} -> {now} workers, restart {state.restarts})"
+        )
+
+    def preemption_notice(self, state: LoopState) -> bool:
+        """True once, when a node is about to go (a spot reclaim) and the step is unsaved:
+        saving now beats losing the interval. A collective on Ray: every rank asks."""
+        if self.preempt_saved or not self.ctx.reporter.preempting():
+            return False
+        self.preempt_saved = True
+        return state.step != state.last_ckpt_step

@@ -1,0 +1,261 @@
+"""Memory planning: what each strategy holds per worker, and the choice ``strategy: auto`` makes.
+
+Model states follow the ZeRO paper's accounting (parameters, gradients and
+optimizer state, each either replicated or divided by the world size), with the
+byte widths raylift's engines really use. Activations are measured, not guessed:
+one forward and backward of the task's model on a small batch counts the bytes
+autograd saves, with and without activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from raylift.core.config import Config, StrategyConfig
+from raylift.data.sources import sample
+from raylift.strategies import PlanRow, config_problems, plan_row, plan_rows
+from raylift.strategies.base import apply_activation_checkpointing
+from raylift.tasks import build_task
+from raylift.tasks.base import blocks_of
+from raylift.tensors.adapters import attach, trainable_numel
+from raylift.tensors.init import meta_model
+from raylift.tensors.precision import DeviceFacts, Precision, resolve_precision
+
+# Share of memory a plan may fill: the rest is the allocator's cache, fragmentation,
+# communication buffers and the CUDA context.
+USABLE = 0.85
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Row:
+    label: str
+    strategy: dict
+    params: int
+    grads: int
+    optimizer: int
+    activations: int  # at the configured micro-batch
+    activations_ckpt: int  # the same with activation checkpointing
+    refused: list[str]  # what the config alone shows wrong with this strategy; empty: usable
+    buffers: int = 0  # gathered blocks and gradient buckets of sharding strategies
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def fixed(self) -> int:
+        """Bytes held whatever the micro-batch: states and buffers."""
+        return self.states + self.buffers
+
+
+@dataclasses.dataclass
+class Plan:
+    rows: list[Row]
+    budget: int
+    choice: Row | None
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    frozen: tuple[int, int] = (0, 0)  # (trainable, frozen) parameters where some are frozen
+
+
+def planned_precision(cfg: Config) -> Precision:
+    """The precision a run of ``cfg`` would use. ``auto`` is resolved for an Ampere or
+    newer GPU where the run uses GPUs (the plan may be made on a laptop without one),
+    and for this host's CPU otherwise."""
+    gpu = DeviceFacts("cuda", "GPU", (8, 0)) if cfg.scaling.use_gpu else None
+    return resolve_precision(cfg.precision, gpu)
+
+
+def optimizer_slots(cfg: Config) -> int:
+    """Tensors of optimizer state per parameter: Adam's two moments, SGD's momentum."""
+    if cfg.optim.name == "sgd":
+        return 1 if cfg.optim.momentum else 0
+    return 2
+
+
+def model_states(
+    label: str, n_params: int, cfg: Config, world: int, trainable: int | None = None
+) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes one rank holds on the device. ``trainable``: the
+    parameters that train (adapters on a frozen base); the rest hold no gradient and no
+    optimizer state."""
+    row = plan_row(label)
+    trainable = n_params if trainable is None else trainable
+    frozen = n_params - trainable
+    width = planned_precision(cfg).param_dtype.itemsize
+    # Adapters stay fp32 beside a cast base (adapters.keep_trainable_fp32); DeepSpeed
+    # casts them with the base and keeps its fp32 master instead.
+    own = 4 if frozen and not row.fp32_master else width
+    optimizer = trainable * own * optimizer_slots(cfg)
+    if row.fp32_master and width != 4:  # fp32 weights are their own master (deepspeed.py)
+        optimizer += trainable * 4
+    full = (trainable * own + frozen * width, trainable * own, optimizer)
+    held = [b // world if sharded else b for b, sharded in zip(full, row.shards, strict=True)]
+    if row.offload:
+        held[0], held[2] = 0, 0
+    return held[0], held[1], held[2]
+
+
+def saved_activation_bytes(cfg: Config, batch: dict[str, torch.Tensor], checkpointing: bool) -> int:
+    """Bytes autograd saves for backward in one forward of ``batch``.
+
+    The model runs on the meta device (shapes, no data), so models far larger than
+    this machine's memory can be planned. Weights are cast to the compute dtype, as
+    autocast would; the meta device takes the math attention path, which saves more
+    than fused attention kernels, so the estimate errs high.
+    """
+    task = build_task(cfg.task, cfg.task_args)
+    dtype = planned_precision(cfg).compute_dtype
+    model = meta_model(task).to(dtype)
+    if checkpointing:
+        apply_activation_checkpointing(blocks_of(task, model))
+    params = {id(p) for p in model.parameters()}
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in params:
+            key = (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), t.dtype)
+            seen[key] = t.numel() * t.element_size()
+        return t
+
+    meta = {k: v.to("meta") for k, v in batch.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        task.loss(model, task.finish(meta, dtype))
+    return sum(seen.values())
+
+
+def activations_per_sample(cfg: Config, checkpointing: bool) -> int:
+    """Saved bytes per sample: the difference between batches of 2 and 1."""
+    task = build_task(cfg.task, cfg.task_args)
+
+    sample_rows = task.preprocess(sample(task.sources()["train"], 8))
+    one = {k: torch.from_numpy(v[:1].copy()) for k, v in sample_rows.items()}
+    two = {k: torch.from_numpy(v[:2].copy()) for k, v in sample_rows.items()}
+    return max(
+        saved_activation_bytes(cfg, two, checkpointing)
+        - saved_activation_bytes(cfg, one, checkpointing),
+        0,
+    )
+
+
+def largest_block(cfg: Config) -> int:
+    """Parameters of the model's largest repeated block (the whole model where the task
+    names none): what a sharding strategy gathers at a time."""
+    task = build_task(cfg.task, cfg.task_args)
+    model = meta_model(task)
+    blocks = blocks_of(task, model) or [model]
+    return max(sum(p.numel() for p in b.parameters()) for b in blocks)
+
+
+def count_params(cfg: Config) -> int:
+    return sum(count_trainable(cfg))
+
+
+def count_trainable(cfg: Config) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the run's model, adapters attached where the
+    config asks for them; tied weights once."""
+    with torch.device("meta"):  # no memory: a 70B model counts as fast as a small one
+        model = build_task(cfg.task, cfg.task_args).build_model()
+        if cfg.model.adapter.type:
+            model = attach(model, cfg.model.adapter)
+    return trainable_numel(model)
+
+
+def refusals(cfg: Config, row: PlanRow) -> list[str]:
+    """Why ``cfg`` cannot run as ``row`` (fp16 where the strategy has no loss scaler, say)."""
+    return config_problems(dataclasses.replace(cfg, strategy=StrategyConfig(**row.strategy)))
+
+
+def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
+    trainable, frozen = count_trainable(cfg)
+    n_params, batch = trainable + frozen, cfg.data.batch_size
+    per_sample = activations_per_sample(cfg, checkpointing=False)
+    per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
+    block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
+    rows = [
+        Row(
+            row.label,
+            dict(row.strategy),
+            *model_states(row.label, n_params, cfg, gpus, trainable),
+            per_sample * batch,
+            per_sample_ckpt * batch,
+            refusals(cfg, row),
+            row.block_buffers * block,
+        )
+        for row in plan_rows()
+    ]
+    budget = int(gpu_mem_gib * GIB * USABLE)
+    counts = (trainable, frozen) if frozen else (0, 0)
+    usable = [r for r in rows if not r.refused]
+    for row in usable:
+        for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
+            if row.fixed + act * batch <= budget:
+                return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum, counts)
+    # Nothing fits at the configured micro-batch: the largest that fits, same global batch.
+    for row in usable:
+        room = budget - row.fixed
+        if room >= per_sample_ckpt > 0:
+            micro = min(batch, room // per_sample_ckpt)
+            accum = cfg.train.grad_accum * -(-batch // micro)
+            return Plan(rows, budget, row, True, int(micro), accum, counts)
+    return Plan(rows, budget, None, True, 0, 0, counts)
+
+
+def resolve_auto(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
+    """The concrete strategy ``strategy: auto`` runs as, for this world size and device."""
+    plan = make_plan(cfg, world, device_mem_bytes / GIB)
+    if plan.choice is None:
+        raise ValueError(
+            f"strategy: auto: no strategy fits this model in {device_mem_bytes / GIB:.1f} GiB "
+            f"per worker at world size {world}; add workers or use larger devices"
+        )
+    return StrategyConfig(**plan.choice.strategy, activation_checkpointing=plan.checkpointing)
+
+
+def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
+    def mib(b: int) -> str:
+        return f"{b / 2**20:10.1f}"
+
+    head = (
+        f"memory per worker at world size {gpus}, {gpu_mem_gib:g} GiB each "
+        f"(plan within {USABLE:.0%}: {plan.budget / 2**20:.0f} MiB), in MiB"
+    )
+    lines = [
+        head,
+        f"{'strategy':<15}{'params':>10}{'grads':>10}{'optim':>10}{'states':>10}"
+        f"{'buffers':>10}{'activ.':>10}{'act+ckpt':>10}{'total':>10}  fits",
+    ]
+    for r in plan.rows:
+        total = r.fixed + r.activations
+        fits = (
+            "yes"
+            if total <= plan.budget
+            else ("with ckpt" if r.fixed + r.activations_ckpt <= plan.budget else "no")
+        )
+        if r.refused:
+            fits += " (refused, below)"
+        lines.append(
+            f"{r.label:<15}{mib(r.params)}{mib(r.grads)}{mib(r.optimizer)}"
+            f"{mib(r.states)}{mib(r.buffers)}{mib(r.activations)}{mib(r.activations_ckpt)}"
+            f"{mib(total)}  {fits}"
+        )
+    lines += [f"{r.label} refused: {problem}" for r in plan.rows for problem in r.refused]
+    trainable, frozen = plan.frozen
+    if frozen:
+        lines.append(
+            f"adapters: {trainable:,} trainable parameters, {frozen:,} frozen (in params; "
+            "no grads or optimizer state for them)"
+        )
+    if plan.choice is None:
+        lines.append("choice: nothing fits; add workers or use larger devices")
+    else:
+        extra = ", activation_checkpointing: true" if plan.checkpointing else ""
+        lines.append(
+            f"choice (strategy: auto): {plan.choice.strategy}{extra}, micro-batch "
+            f"{plan.micro_batch}, grad_accum {plan.grad_accum}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,306 @@
+"""The worker side of a run: what every Ray Train worker does with the driver's :class:`RunSpec`.
+
+The driver (:mod:`raylift.run.launch`) resolves everything that is the same for every
+rank (the strategy ``auto`` chose, the prepared shards, the MLflow run) once and
+hands it over in one typed object; each worker builds its data stream, tracker and
+:class:`~raylift.run.loop.Trainer` from it, resumes if there is a checkpoint, and trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from raylift.artifacts.tracking import RemoteStore, ServiceTracker
+from raylift.core import console, storage
+from raylift.core.config import Config, EnvironmentProblem
+from raylift.core.startup import PREFIX, Startup, process_start
+from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
+from raylift.data.shards import read_manifest
+from raylift.run.context import NullTracker, WorkerContext
+from raylift.run.faults import own_stderr
+from raylift.run.loop import Trainer
+from raylift.run.probe import DoctorProbe, ProbeSettings
+from raylift.tasks import build_task
+from raylift.tensors.checkpoints import (
+    CheckpointError,
+    check_listing,
+    checkpoint_dirs,
+    checkpoint_step,
+    newest_complete,
+    previous_complete,
+    resume_point,
+)
+
+SPEC_KEY = "spec"  # the one key of Ray's train_loop_config
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything the driver hands every worker."""
+
+    config: Config  # strategy already resolved: never "auto" here
+    shards: str  # the prepared shards' root
+    run_id: str  # the MLflow run rank 0 writes to
+    tracking_uri: str
+    tracking: (
+        Any  # the tracking actor on the driver's node (raylift.artifacts.tracking.start_service)
+    )
+    cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
+    probe: ProbeSettings | None = None  # raylift doctor's windows
+    startup: Startup | None = None  # the driver's start-up phases; workers add theirs
+    # A local storage folder: the token of the marker the driver wrote there, which every
+    # worker must see (its node shares the folder); None for an object store.
+    shared_token: str | None = None
+
+
+def worker_main(loop_config: dict[str, Any]) -> None:
+    """Entry point of every Ray Train worker."""
+    import ray.train
+    import ray.train.torch
+
+    spec: RunSpec = loop_config[SPEC_KEY]
+    startup = spec.startup
+    if startup is not None:
+        # Until this process existed, the time was Ray Train's (controller, placement);
+        # since, this worker's imports and the process group Ray Train set up.
+        startup.mark("controller", max(process_start(), startup.last()))
+        startup.mark("worker")
+    # Ray Train logs every report at INFO through the root logger; keep the console for raylift.
+    logging.getLogger().setLevel(logging.WARNING)
+    rt = ray.train.get_context()
+    rank, world = rt.get_world_rank(), rt.get_world_size()
+    console.route_ray_process(rank)  # its lines and the user's prints reach the console
+    console.warnings_once()
+    sweep_scratch(rank)
+    check_shared(spec)
+    if rank == 0 and startup is not None and restarted(spec, startup):
+        # Ray Train restarted the group after a failure: this command's start-up stands as
+        # logged; measured from the command again, it would take in the training before.
+        spec, startup = dataclasses.replace(spec, startup=None), None
+    trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
+    try:
+        resume(trainer, spec.config)
+        if startup is not None:
+            startup.mark("resume")
+        trainer.run()
+    finally:
+        trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
+
+
+def sweep_scratch(rank: int) -> None:
+    """Free what killed workers on this node left in its temp folder (checkpoint staging,
+    copies of weights): a node that keeps failing must not fill its disk."""
+    removed, freed = storage.sweep_scratch()
+    if removed:
+        print(
+            f"raylift: rank {rank}: removed {len(removed)} folder(s) that ended processes "
+            f"left in {removed[0].parent}, freeing {freed / 2**20:,.1f} MiB",
+            flush=True,
+        )
+
+
+SHARED_MARKER = ".raylift-driver"
+
+
+def check_shared(spec: RunSpec) -> None:
+    """A worker on a node the autoscaler added after the driver's check: its local storage
+    folder must be the driver's (shared), or nothing it writes is where the run looks."""
+    if spec.shared_token is None:
+        return
+    marker = storage.join(spec.config.storage, spec.config.name, SHARED_MARKER)
+    if storage.read_text(marker) != spec.shared_token:
+        import ray.util
+
+        raise EnvironmentProblem(
+            f"storage: {spec.config.storage} is a folder on the driver's machine that this "
+            f"worker's node ({ray.util.get_node_ip_address()}) does not see: on a cluster set "
+            "storage to s3://..., gs://... or a folder every node mounts (NFS)"
+        )
+
+
+def restarted(spec: RunSpec, startup: Startup) -> bool:
+    return logged_startup_since(RemoteStore(spec.tracking), spec.run_id, startup.origin)
+
+
+def logged_startup_since(store: Any, run_id: str, origin: float) -> bool:
+    """True when the run's MLflow metrics hold a start-up total logged after ``origin``."""
+    return store.metric_since(run_id, f"{PREFIX}total_s", origin) is not None
+
+
+def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
+    cfg = spec.config
+    task = build_task(cfg.task, cfg.task_args)
+    source = build_source(spec, task, rank, world, device)
+    if spec.startup is not None:
+        spec.startup.mark("data")
+    ctx = WorkerContext(
+        rank=rank,
+        world_size=world,
+        device=device,
+        source=source,
+        reporter=RayReporter(storage.resolve(cfg.storage)),
+        tracker=ServiceTracker(spec.tracking, spec.run_id) if rank == 0 else NullTracker(),
+        log=print0(rank),
+        probe=_probe(spec.probe),
+        startup=spec.startup,
+        heartbeat=register_process(spec.tracking, rank),
+    )
+    trainer = Trainer(cfg, task, ctx)
+    if spec.startup is not None:
+        spec.startup.mark("build")
+    return trainer
+
+
+def register_process(tracking: Any, rank: int) -> Any:
+    """This worker process, known to the tracking actor (no wait) so that a crash can be
+    reported with its stderr; returns the heartbeat that sends its node's memory."""
+    import os
+    import socket
+
+    import psutil
+    import ray
+
+    actor_id = ray.get_runtime_context().get_actor_id()
+    if tracking is None or actor_id is None:
+        return lambda: None
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "host": socket.gethostname(),
+        "stderr": own_stderr(),
+    }
+    tracking.worker_started.remote(actor_id, record)
+
+    def heartbeat() -> None:
+        vm = psutil.virtual_memory()
+        tracking.worker_memory.remote(actor_id, float(vm.total - vm.available), float(vm.total))
+
+    heartbeat()  # a crash before the first logging interval has its node's memory too
+    return heartbeat
+
+
+def build_source(spec: RunSpec, task: Any, rank: int, world: int, device: Any) -> Any:
+    """This rank's stream of the prepared shards (or of their copy in the object store)."""
+    manifest = read_manifest(spec.shards)
+    if manifest is None:
+        raise RuntimeError(f"the shards at {spec.shards} vanished after the run started")
+    store = ObjectStoreStore(manifest, spec.cache) if spec.cache else ParquetStore(manifest)
+    d, cfg = spec.config.data, spec.config
+    return ShardSource(
+        store,
+        rank,
+        world,
+        batch_size=d.batch_size,
+        eval_batch_size=d.eval_batch_size or d.batch_size,
+        seed=cfg.train.seed,
+        prefetch_batches=d.prefetch_batches,
+        pin_memory=device.type == "cuda",
+        shuffle=d.shuffle,
+        transform=getattr(task, "transform", None),
+    )
+
+
+def resume(trainer: Any, cfg: Config) -> None:
+    """Restore the newest complete checkpoint in the run's folder, local or in an object
+    store (Ray's record of it too, where that is newer)."""
+    log = trainer.ctx.log
+    run_dir = storage.join(cfg.storage, cfg.name)  # resolved by the driver
+    found = _newest(run_dir, log, newest_complete(run_dir, log, check_listing))
+    restore_newest(trainer, run_dir, found)
+
+
+def restore_newest(trainer: Any, run_dir: str, found: str | None) -> None:
+    """Restore ``found``; where its bytes fail their checksums as they are read (a
+    damaged newest checkpoint), the complete one before it, and so on."""
+    log = trainer.ctx.log
+    while found is not None:
+        try:
+            trainer.restore(found)  # the same verdict on every rank
+            return
+        except CheckpointError as exc:
+            log(f"raylift: {exc}; looking for the previous complete checkpoint")
+            # Part of the state may be loaded already: no fresh start from a mix of both.
+            found = previous_complete(found, log, check_listing)
+    if checkpoint_dirs(run_dir):
+        log(f"raylift: no complete checkpoint under {run_dir}; starting from step 0")
+
+
+def _newest(run_dir: str, log: Any, found: str | None) -> str | None:
+    """Ray registers a checkpoint only when its controller polls the report: a worker
+    killed in between leaves a newer complete one in the folder, which wins."""
+    import ray.train
+
+    handed = ray.train.get_checkpoint()
+    if handed is None:
+        return found
+    registered = storage.as_uri(handed.path, like=run_dir)
+    if found is None or checkpoint_step(registered) > checkpoint_step(found):
+        return resume_point(registered, log, check_listing)  # Ray's record, checked too
+    if checkpoint_step(found) > checkpoint_step(registered):
+        log(f"raylift: {storage.name(found)} is complete in {run_dir}, newer than Ray's record")
+    return found
+
+
+def _probe(settings: ProbeSettings | None) -> Any:
+    if settings is None:
+        return None
+
+    return DoctorProbe.from_settings(settings)
+
+
+class RayReporter:
+    """Metrics and checkpoints to Ray Train (both are collectives there); a checkpoint
+    that the store refuses is a :class:`~raylift.core.storage.StorageError` naming ``where``."""
+
+    def __init__(self, where: str = ""):
+        self.where = where
+
+    def report(self, metrics: dict[str, float]) -> None:
+        import ray.train
+
+        ray.train.report(metrics)
+
+    def destination(self, name: str) -> str:
+        """Ray Train's own path for the checkpoint (under the run's folder in storage), as
+        a URI where storage is one."""
+        import ray.train
+
+        path = ray.train.get_context().get_storage().build_checkpoint_path_from_name(name)
+        return storage.as_uri(path, like=self.where)
+
+    def register(self, metrics: dict[str, float], name: str) -> None:
+        """raylift uploaded the parts itself (checksums, completion lists last): Ray
+        records the folder where it is, copying nothing."""
+        import ray.train
+
+        ctx = ray.train.get_context().get_storage()
+        ckpt = ray.train.Checkpoint(
+            ctx.build_checkpoint_path_from_name(name), filesystem=ctx.storage_filesystem
+        )
+        with storage.reaching(self.where, f"recording {name}"):
+            ray.train.report(
+                metrics,
+                checkpoint=ckpt,
+                checkpoint_dir_name=name,
+                checkpoint_upload_mode=ray.train.CheckpointUploadMode.NO_UPLOAD,
+                delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage
+            )
+
+    def preempting(self) -> bool:
+        import ray.train
+
+        return ray.train.get_preemption_info() is not None
+
+
+def print0(rank: int) -> Any:
+    """``print`` on rank 0, nothing elsewhere: rank logic stays out of the loop."""
+
+    def log(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    return log

@@ -1,0 +1,318 @@
+"""Pretrained weights (``model.weights``) loaded into a model of any strategy, one tensor
+at a time.
+
+``model.weights`` names a ``.safetensors`` file, or a folder holding one
+(``model.safetensors``) or a sharded Hugging Face checkpoint
+(``model.safetensors.index.json`` and the files it maps), on this machine or in an
+object store (rank 0 reads a private copy), or an MLflow model (``models:/NAME/VERSION``,
+``runs:/RUN_ID/model``: :mod:`raylift.artifacts.mlmodel` fetches it first). The
+driver reads only the files' headers, where they are (ranged reads on an object store),
+before any worker starts (:mod:`raylift.tensors.preflight`), and refuses a missing, extra
+or differently shaped tensor, or a file it cannot read, naming the tensor and the file.
+In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
+broadcasts it; every rank keeps its own shard of it (``raylift.tensors.init`` writers), so
+no rank ever holds more than one whole tensor beside its shards, and a node's host
+memory holds the weights once rather than once per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from raylift.core import storage
+from raylift.core.errors import SourceError
+from raylift.core.names import is_mlflow_uri
+from raylift.tensors.adapters import base_name, is_adapter
+from raylift.tensors.hf_layout import Layout
+from raylift.tensors.init import Writer
+
+# A model's tensors as a weights file names them: (model, named tensors) -> (name, tensor).
+NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
+
+# Model tensor name -> (the name it is loaded as: its own or a tied twin's, and the
+# ``file::tensor`` entries it is made of, in order).
+Plan = dict[str, tuple[str, list[str]]]
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class WeightsError(SourceError):
+    """``model.weights`` cannot be loaded into the task's model."""
+
+
+def weight_files(path: str) -> dict[str, str]:
+    """Tensor name -> the file holding it, from the index or the files' headers (a local
+    path or a URI alike)."""
+    root = path
+    if storage.is_dir(path):
+        index = storage.read_text(storage.join(path, INDEX))
+        if index is not None:
+            mapping = json.loads(index)["weight_map"]
+            return {name: storage.join(path, file) for name, file in mapping.items()}
+        root = storage.join(path, SINGLE)
+    if not storage.is_file(root):
+        raise WeightsError(
+            f"model.weights: {path} is neither a .safetensors file nor a folder with "
+            f"{SINGLE} or {INDEX}"
+        )
+    return {name: root for name in header(root)}
+
+
+MAX_HEADER = 100 << 20  # bytes; safetensors refuses larger headers too
+
+
+def raw_header(path: str) -> tuple[bytes, int]:
+    """A safetensors file's JSON header, as written, and the file's size: its first 8
+    bytes give the header's length, then the header; two ranged reads on an object
+    store, never the tensors. ValueError where the length does not fit the file."""
+    fs, where = storage.filesystem(path)
+    with fs.open_input_file(where) as f:
+        size = int.from_bytes(f.read_at(8, 0), "little")
+        if not 2 <= size <= min(MAX_HEADER, f.size() - 8):
+            raise ValueError(f"its header length, {size} bytes, does not fit the file")
+        return bytes(f.read_at(size, 8)), f.size()
+
+
+def header_entries(path: str) -> dict[str, dict[str, Any]]:
+    """Tensor name -> its header entry (dtype, shape, data_offsets from the data's start,
+    which is ``8 + len(raw header)``), checked against the file's size."""
+    try:
+        text, total = raw_header(path)
+        meta = json.loads(text)
+        tensors = {n: t for n, t in meta.items() if n != "__metadata__"}
+        need = max((int(t["data_offsets"][1]) for t in tensors.values()), default=0)
+        if 8 + len(text) + need != total:  # cut off, or not safetensors
+            raise ValueError(
+                f"its tensors take {need} bytes after the header, the file holds "
+                f"{total - 8 - len(text)}"
+            )
+        return tensors
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WeightsError(f"model.weights: cannot read {path}: {exc}") from exc
+
+
+def header(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's header alone."""
+    return {n: tuple(t["shape"]) for n, t in header_entries(path).items()}
+
+
+def fingerprint(path: str) -> str:
+    """xxh3-64 of the safetensors headers of the weights at ``path`` (every tensor's name,
+    dtype, shape and place): what says a checkpoint's adapters were trained on these
+    weights, in two ranged reads a file."""
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    for file in sorted(set(weight_files(path).values())):
+        digest.update(raw_header(file)[0])
+    return digest.hexdigest()
+
+
+def file_shapes(files: dict[str, str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, file), reading each file's header once."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(set(files.values())):
+        for name, shape in header(file).items():
+            out[name] = (shape, file)
+    missing = [n for n, f in files.items() if n not in out]
+    if missing:
+        raise WeightsError(
+            f"model.weights: tensor {missing[0]} is listed for {files[missing[0]]} "
+            "but that file does not hold it"
+        )
+    return out
+
+
+def expected(
+    model: nn.Module, named_as: NamedAs | None = None
+) -> tuple[dict[str, tuple[int, ...]], dict[str, list[str]]]:
+    """The model's tensors to load (parameters once each, persistent buffers), under the
+    files' names (``named_as``: the base's, by default), and, per name, the other names a
+    tied parameter goes by."""
+    named_as = named_as or base_tensors
+    shapes: dict[str, tuple[int, ...]] = {}
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, p in named_as(model, model.named_parameters(remove_duplicate=False)):
+        if id(p) in first:
+            aliases[first[id(p)]].append(name)
+            continue
+        first[id(p)] = name
+        aliases[name] = []
+        shapes[name] = tuple(getattr(p, "ds_shape", p.shape))
+    for name, b in named_as(model, model.state_dict(keep_vars=True).items()):
+        if name not in shapes and not any(name in a for a in aliases.values()):
+            shapes[name] = tuple(b.shape)
+    return shapes, aliases
+
+
+def base_tensors(model: nn.Module, named: Any) -> Iterator[tuple[str, Any]]:
+    """``named`` (name, tensor) pairs of a model as its weights' files name them: with
+    adapters attached, the base's tensors under the base's names, the adapters' left out
+    (they start as raylift draws them, not from the files)."""
+    for name, tensor in named:
+        if not is_adapter(name):
+            yield base_name(name), tensor
+
+
+def check(
+    model: nn.Module, path: str, named_as: NamedAs | None = None, key: str = "model.weights"
+) -> Plan:
+    """Every tensor of ``model`` (as ``named_as`` names them) made from the files at its
+    shape, and nothing else in them; the plan to load from. A Hugging Face model's files
+    are read by transformers' own rules for its architecture (:mod:`raylift.tensors.hf_layout`:
+    renamed keys, per-expert tensors fused); adapters' files (``named_as``) as named.
+    WeightsError names what is wrong, and the config ``key`` that gave the files."""
+    found = file_shapes(weight_files(path))
+    layout = Layout(model if named_as is None else None)
+    groups = layout.group(found)
+    shapes, aliases = expected(model, named_as)
+    known = set(shapes) | {a for names in aliases.values() for a in names}
+    extra = sorted(f for name, files in groups.items() if name not in known for f in files)
+    if extra:
+        raise WeightsError(
+            f"{key}: tensor {extra[0]} in {found[extra[0]][1]} is not in the "
+            f"task's model ({len(extra)} such); check that the weights are for this "
+            "model and its task_args"
+        )
+    plan: Plan = {}
+    for name, shape in shapes.items():
+        have = next((n for n in [name, *aliases.get(name, [])] if n in groups), None)
+        if have is None:
+            raise WeightsError(f"{key}: tensor {name} (shape {list(shape)}) is missing from {path}")
+        parts = {f: found[f][0] for f in groups[have]}
+        got = layout.joined_shape(have, parts) if layout.converts else next(iter(parts.values()))
+        if got != shape:
+            first = groups[have][0]
+            raise WeightsError(
+                f"{key}: tensor {first} in {found[first][1]} makes {have} of shape "
+                f"{list(got)}, the model's is {list(shape)}; check task_args against the "
+                "weights' config"
+                if layout.converts
+                else f"{key}: tensor {have} in {found[have][1]} has shape {list(got)}, the "
+                f"model's is {list(shape)}; check task_args against the weights' config"
+            )
+        plan[name] = (have, [f"{found[f][1]}::{f}" for f in groups[have]])
+    return plan
+
+
+def absolute(weights: str | None) -> str | None:
+    """``model.weights`` as workers in other folders find it: a local path made absolute
+    against this process's folder; a URI or an MLflow model as it is."""
+    if not weights or is_mlflow_uri(weights):
+        return weights
+    return storage.resolve(weights)
+
+
+def weights_path(cfg: Any, task: Any) -> str | None:
+    """``model.weights``, else the task's own pretrained weights (a Hugging Face folder's)."""
+    return cfg.model.weights or getattr(task, "pretrained_weights", None)
+
+
+@contextlib.contextmanager
+def on_this_machine(path: str) -> Iterator[str]:
+    """``path`` itself where it is local, else a private copy of the file or folder that
+    its URI names (an object store: the run's fetched weights), removed after."""
+    if not storage.is_remote(path):
+        yield path
+        return
+    if path.endswith(".safetensors"):
+        with storage.scratch("weights") as tmp:
+            local = Path(tmp) / storage.name(path)
+            local.write_bytes(storage.read_bytes(path) or b"")
+            yield str(local)
+        return
+    with storage.local_copy(path) as folder:
+        yield str(folder)
+
+
+def load(
+    model: nn.Module,
+    path: str,
+    write: Writer,
+    named_as: NamedAs | None = None,
+    key: str = "model.weights",
+) -> None:
+    """Collective: rank 0 reads each tensor (the model's as ``named_as`` names them: the
+    base's, by default; a fused one from each of its files' tensors), every rank writes
+    its share of it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    layout = Layout(model if named_as is None else None)  # as check() reads the files
+    with contextlib.ExitStack() as stack:
+        # Rank 0 alone reads: only it needs the files on its machine.
+        local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
+        shared: list[Any] = [check(model, local, named_as, key) if rank == 0 else {}]
+        named_as = named_as or base_tensors
+        if dist.is_initialized():
+            dist.broadcast_object_list(shared, src=0)
+        plan: Plan = shared[0]
+        params = dict(named_as(model, model.named_parameters()))
+        buffers = dict(named_as(model, model.named_buffers()))
+        read = _Reader(stack)
+        for name, (have, parts) in plan.items():
+            value = layout.join(have, read(parts)) if rank == 0 else None
+            target = params[name] if name in params else buffers[name]
+            value = _broadcast(value, tuple(getattr(target, "ds_shape", target.shape)))
+            if name in params:
+                write(params[name], value)
+            else:
+                with torch.no_grad():
+                    buffers[name].copy_(value)
+
+
+class _Reader:
+    """File tensors by ``file::name``, each file opened once for the whole load."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack, self.opened = stack, {}  # type: ignore[var-annotated]
+
+    def __call__(self, parts: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        out = {}
+        for where in parts:
+            file, name = where.split("::", 1)
+            if file not in self.opened:
+                self.opened[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+            out[name] = self.opened[file].get_tensor(name)
+        return out
+
+
+def _broadcast(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rank 0's tensor on every rank (fp32 on the host, whatever the backend)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        assert value is not None
+        return value
+    buf = value.float().contiguous() if value is not None else torch.empty(shape)
+    if dist.get_backend() == "nccl":  # NCCL moves device tensors only
+        buf = buf.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.broadcast(buf, src=0)
+    return buf.cpu()
+
+
+def base_of(cfg: Any, weights: str | None) -> dict[str, str] | None:
+    """What the run's adapters train on, as its checkpoints record it: the base's weights
+    (path or URI) and a digest of their safetensors headers; a base drawn from the seed
+    (no weights) by the seed. None without adapters."""
+    if not cfg.model.adapter.type:
+        return None
+    if weights is None:
+        seeded = f"drawn from train.seed {cfg.train.seed}"
+        return {"weights": seeded, "headers": seeded}
+
+    return {
+        "weights": weights,
+        "headers": weights if is_mlflow_uri(weights) else fingerprint(weights),
+    }

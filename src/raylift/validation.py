@@ -1,0 +1,43 @@
+"""A config checked whole: the schema (:mod:`raylift.core.config`) and what only the
+registries know, the strategy's name and its own checks, the precision and the task.
+
+Its own layer, above the strategies and tasks it asks, so that the schema below imports
+none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from raylift.core.config import AUTO, Config, ConfigError, build_config, read_config
+from raylift.strategies import REGISTRY, config_problems
+from raylift.tasks import task_problems
+from raylift.tensors.precision import ACCEPTED
+
+
+def registry_problems(cfg: Config) -> list[str]:
+    """What the strategy, precision and task registries find wrong with ``cfg``."""
+    names = (*REGISTRY, AUTO)
+    out = []
+    if cfg.strategy.name not in names:
+        out.append(f"strategy.name: unknown strategy {cfg.strategy.name!r}; choose one of {names}")
+    out += config_problems(cfg)
+    if cfg.precision not in ACCEPTED:
+        out.append(f"precision: unknown precision {cfg.precision!r}; choose one of {ACCEPTED}")
+    return out + task_problems(cfg.task, cfg.task_args)
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> Config:
+    """The config of a plain dict, validated; raises :class:`ConfigError` naming every problem."""
+    cfg, problems = build_config(raw)
+    problems += registry_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Load ``path``, apply ``key=value`` overrides and validate; raises :class:`ConfigError`."""
+    return config_from_dict(read_config(path, overrides))

@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
-from raylift.data.shards import shard_root  # noqa: E402
+from raylift.data.manifest import shard_root  # noqa: E402
 from raylift.run.launch import RunFailed, TrainResult, train  # noqa: E402
 from raylift.tasks import build_task  # noqa: E402
 from raylift.tensors.checkpoints import checkpoint_dirs, verify_run  # noqa: E402

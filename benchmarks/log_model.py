@@ -27,8 +27,8 @@ from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from raylift.artifacts import mlmodel, tracking  # noqa: E402
-from raylift.core.config import merge  # noqa: E402
+from raylift.artifacts import mlmodel, tracking_service  # noqa: E402
+from raylift.core.parsing import merge  # noqa: E402
 from raylift.run.launch import record_config  # noqa: E402
 from raylift.run.plan import count_params  # noqa: E402
 from raylift.validation import load_config  # noqa: E402
@@ -47,7 +47,7 @@ def log_times(cfg_dict: dict, run_dir: Path, repeats: int) -> tuple[list[float],
     """Seconds each ``log_model`` took, and the bytes it logged."""
     cfg = config_from_dict(cfg_dict)
     record_config(cfg, str(run_dir))
-    store = tracking.Store(f"sqlite:///{run_dir.parent / 'mlflow.db'}")
+    store = tracking_service.Store(f"sqlite:///{run_dir.parent / 'mlflow.db'}")
     seconds, size = [], 0
     for _ in range(repeats):
         run_id = store.start_run(cfg, str(run_dir.parent), False, 2)

@@ -36,7 +36,7 @@ from machine import describe  # noqa: E402
 from results import save  # noqa: E402
 
 sys.path.insert(0, str(REPO))
-from raylift.core.config import merge  # noqa: E402
+from raylift.core.parsing import merge  # noqa: E402
 from raylift.run.plan import count_params  # noqa: E402
 from tests.helpers import config_from_dict  # noqa: E402
 from tests.memory import (  # noqa: E402

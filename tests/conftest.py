@@ -142,7 +142,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """DDP on 2 gloo ranks, ``GPT_SMALL`` in fp32 and bf16-mixed: the loss curves, model-state
     bytes and probe logits every other strategy is held to (trained once per session)."""
-    from raylift.core.config import merge
+    from raylift.core.parsing import merge
     from tests.helpers import GPT_SMALL, make_config, run_ranks, train_runs
 
     tmp = tmp_path_factory.mktemp("ddp-reference")

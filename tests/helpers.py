@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raylift.core.config import Config, merge
+from raylift.core.config import Config
+from raylift.core.parsing import merge
 from raylift.data.ingest import TensorSource
 from raylift.run.context import WorkerContext
 from raylift.run.loop import Trainer

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from raylift.core.config import Config, merge
+from raylift.core.config import Config
+from raylift.core.parsing import merge
 from raylift.run.plan import count_params, make_plan
 from raylift.strategies import plan_row_for
 
@@ -63,7 +64,7 @@ def _rank(rank: int, world: int, port: int, cfg_dicts: list[dict], out: str) -> 
 
     import torch.distributed as dist
 
-    from raylift.core.config import merge
+    from raylift.core.parsing import merge
     from raylift.strategies.deepspeed import import_deepspeed
     from raylift.tasks import build_task
     from tests.helpers import LocalReporter, config_from_dict, make_trainer, tensors

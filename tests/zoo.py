@@ -173,7 +173,7 @@ def zoo_train(rank: int, world: int, runs: dict[str, dict], root: str) -> None:
 def zoo_resume(rank: int, world: int, runs: dict[str, dict], root: str) -> None:
     """Each run restored from its half-way checkpoint at this world size and trained to
     its end; rank 0 saves the curves (``root/resume-WORLD.pt``)."""
-    from raylift.core.config import merge
+    from raylift.core.parsing import merge
     from raylift.validation import config_from_dict
     from tests.helpers import ListTracker, LocalReporter, make_trainer, settle
 

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from raylift.core import console, storage
-from raylift.core.config import RUN_CONFIG, ConfigError, EnvironmentProblem, run_config_text
+from raylift.core.config import ConfigError, EnvironmentProblem
 from raylift.core.errors import SourceError
+from raylift.core.parsing import RUN_CONFIG, run_config_text
 from raylift.core.runlock import RunLocked
 from raylift.core.startup import Startup, process_start
 
@@ -218,7 +219,7 @@ def _run_summary(run: str) -> str:
 
 def _run_error(exc: Exception) -> int:
     """A run that could not start (bad data or shards: exit 2) or that failed (exit 1)."""
-    from raylift.data.shards import ShardError
+    from raylift.data.manifest import ShardError
     from raylift.run.launch import StorageFailed
 
     print(f"raylift: {exc}", file=sys.stderr)
@@ -228,7 +229,7 @@ def _run_error(exc: Exception) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from raylift.commands.doctor import run_doctor
-    from raylift.data.shards import ShardError
+    from raylift.data.manifest import ShardError
     from raylift.run.launch import RunFailed
 
     startup = Startup.begin(process_start())
@@ -258,7 +259,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_prep(args: argparse.Namespace) -> int:
-    from raylift.data.shards import ShardError, prep, shard_root
+    from raylift.data.manifest import ShardError, shard_root
+    from raylift.data.shards import prep
     from raylift.run.check import writable
     from raylift.run.connect import connect_ray
     from raylift.tasks import build_task
@@ -286,7 +288,7 @@ def show_examples(task: Any, manifest: Any, n: int, as_json: bool) -> int:
     which tokens carry loss set apart (``--json``: one object per example)."""
     import json
 
-    from raylift.data.shards import head
+    from raylift.data.manifest import head
     from raylift.tasks.chat import shown, unpacked
 
     tokenizer = getattr(task, "tokenizer", None)
@@ -383,7 +385,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from raylift.data.shards import ShardError
+    from raylift.data.manifest import ShardError
     from raylift.run.launch import RunFailed, train
 
     startup = Startup.begin(process_start())  # the user waits from the command, not from here

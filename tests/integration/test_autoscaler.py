@@ -225,7 +225,7 @@ def notice_a_reclaim(cluster: FakeCluster) -> str:
         "--node-id", node, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
         "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "600",
     ]  # fmt: skip
-    done = subprocess.run(drain, env=cluster.env(), capture_output=True, text=True)
+    done = subprocess.run(drain, env=cluster.env(), capture_output=True, text=True, timeout=HANG_S)
     assert done.returncode == 0, done.stdout + done.stderr
     return node
 

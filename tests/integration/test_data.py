@@ -16,14 +16,8 @@ import pytest
 
 from raylift.cli import main as cli_main
 from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
-from raylift.data.shards import (
-    MANIFEST,
-    ShardError,
-    cache_in_object_store,
-    fingerprint,
-    open_shards,
-    prep,
-)
+from raylift.data.manifest import MANIFEST, ShardError, open_shards, task_fingerprint
+from raylift.data.shards import cache_in_object_store, prep
 from raylift.tasks import build_task
 from raylift.tensors.precision import DeviceFacts, choose
 from raylift.validation import load_config
@@ -43,7 +37,7 @@ def digits_shards(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) ->
     cfg = load_config(QUICKSTART, [f"data.shards={root}"])
     assert cli_main(["prep", str(QUICKSTART), f"data.shards={root}"]) == 0
     assert (root / MANIFEST).exists()
-    assert open_shards(str(root), fingerprint(cfg, build_task(cfg.task, cfg.task_args)))
+    assert open_shards(str(root), task_fingerprint(cfg, build_task(cfg.task, cfg.task_args)))
     return root
 
 
@@ -74,7 +68,7 @@ def test_prep_again_is_a_no_op_and_a_changed_task_asks_for_force(
     assert "--force" in capsys.readouterr().err
     cfg = load_config(QUICKSTART, changed)
     with pytest.raises(ShardError, match="raylift prep CONFIG --force"):
-        open_shards(str(digits_shards), fingerprint(cfg, build_task(cfg.task, cfg.task_args)))
+        open_shards(str(digits_shards), task_fingerprint(cfg, build_task(cfg.task, cfg.task_args)))
 
 
 def test_truncated_or_missing_files_are_caught_with_the_fix(
@@ -94,7 +88,7 @@ def test_truncated_or_missing_files_are_caught_with_the_fix(
         open_shards(str(tmp_path / "s"), None)
     # prep --force puts it right
     assert not prep(cfg, task, str(tmp_path / "s"), force=True).skipped
-    assert open_shards(str(tmp_path / "s"), fingerprint(cfg, task))
+    assert open_shards(str(tmp_path / "s"), task_fingerprint(cfg, task))
 
 
 @pytest.mark.slow
@@ -106,12 +100,12 @@ def test_preps_into_an_object_store_never_delete_or_mix_each_others_shards(
     ``prep --force`` replaced them; two preps at once both finish and leave one whole
     manifest, of files that are all there."""
     from raylift.core import storage
-    from raylift.data.shards import read_manifest, verify
+    from raylift.data.manifest import read_manifest, verify
 
     root = f"s3://data/{tmp_path.name}/digits"
     cfg = load_config(QUICKSTART, [f"data.shards={root}"])
     task = build_task(cfg.task, cfg.task_args)
-    fp = fingerprint(cfg, task)
+    fp = task_fingerprint(cfg, task)
     first = prep(cfg, task, root).manifest
     second = prep(cfg, task, root, force=True).manifest
     verify(first, fp)  # what a run that started before the second prep reads: all there
@@ -290,7 +284,7 @@ PEAK_RSS = textwrap.dedent(
     """
     import resource, sys
     from raylift.data.ingest import ParquetStore, ShardSource
-    from raylift.data.shards import open_shards
+    from raylift.data.manifest import open_shards
     source = ShardSource(ParquetStore(open_shards(sys.argv[1], None)), 0, 1, 32, 32, seed=0)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     rows = sum(len(b["tokens"]) for b in source.train_batches(0))
@@ -308,7 +302,11 @@ def test_streaming_memory_does_not_grow_with_the_corpus(ray_cluster: str, tmp_pa
         cfg = load_config(REPO / "configs" / "gpt-tiny.yaml", [f"task_args.max_bytes={max_bytes}"])
         prep(cfg, build_task(cfg.task, cfg.task_args), str(root))
         out = subprocess.run(
-            [sys.executable, "-c", PEAK_RSS, str(root)], capture_output=True, text=True, check=True
+            [sys.executable, "-c", PEAK_RSS, str(root)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=HANG_S,
         ).stdout.split()
         grown[max_bytes] = (int(out[0]), int(out[1]))
     (small_rows, small_rss), (big_rows, big_rss) = grown.values()
@@ -540,7 +538,7 @@ def test_an_images_run_resumed_mid_epoch_continues_the_uninterrupted_curve(
 
     import torch.distributed as dist
 
-    from raylift.core.config import merge
+    from raylift.core.parsing import merge
     from raylift.data.ingest import ShardSource
     from raylift.validation import config_from_dict
     from tests.helpers import BASE, ListTracker, LocalReporter, init_pg, make_trainer

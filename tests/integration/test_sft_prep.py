@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from raylift.cli import main as cli_main
-from raylift.data.shards import open_shards
+from raylift.data.manifest import open_shards
 from tests.chats import model_folder, write_chats
 
 pytest.importorskip("transformers")
@@ -64,7 +64,7 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
     held.write_text("\n".join(data.read_text().splitlines()[:20]) + "\n")
     with_val = [f"{args[0]}", f"data.shards={tmp_path / 'with-val'}", f"task_args.val_data={held}"]
     assert cli_main(["prep", *with_val]) == 0
-    from raylift.data.shards import column_total, head
+    from raylift.data.manifest import column_total, head
 
     val = open_shards(str(tmp_path / "with-val"), None)
     assert head(val, "val", 100)["examples"].sum() == 20

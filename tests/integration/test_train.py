@@ -17,7 +17,7 @@ from raylift.core.startup import PHASES
 from raylift.run.connect import WORKER_ENV
 from raylift.run.launch import train
 from raylift.validation import load_config
-from tests.helpers import finish_output, wait_until
+from tests.helpers import HANG_S, finish_output, wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +154,9 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     )
     wait_until(lambda: storage.is_file(f"{run}/.raylift-lock") or killed.poll() is not None,
                f"the run's lease in {run}", seen=lambda: storage.children(run))  # fmt: skip
-    second = subprocess.run(cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True)
+    second = subprocess.run(
+        cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True, timeout=HANG_S
+    )
     out, _ = finish_output(killed, "the killed run")
     assert killed.returncode == 0, out[-3000:]
     assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
@@ -190,6 +192,19 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     reference = uninterrupted(clean, kill_storage)
     assert mlrun.data.metrics["val_loss"] == pytest.approx(val_loss_of(reference, clean), rel=0.02)
     assert history(client, run_id, "restarts") == {2: 1.0}
+    # What the restart cost, by phase: a line once the run was back at the step it had
+    # reached before the kill, the phases at that step in MLflow, the run's goodput.
+    (cost,) = [ln for ln in lines if ln.startswith("raylift: restart 1 cost ")]
+    ((back, redone),) = history(client, run_id, "restart/steps_redone").items()
+    assert back >= 3 and redone == back - 2, (back, redone)  # from step 2's checkpoint
+    assert cost.endswith(f"back at step {back} after redoing {int(redone)} step(s)"), cost
+    phases = {k: history(client, run_id, f"restart/{k}_s")[back] for k in ("group_up", "build",
+              "restore", "first_step", "recovered")}  # fmt: skip
+    assert 0 < phases["group_up"] < phases["recovered"], phases
+    assert phases["recovered"] >= sum(v for k, v in phases.items() if k != "recovered"), phases
+    ((end, goodput),) = history(client, run_id, "goodput").items()
+    assert end == 12 and 0 < goodput < 1, goodput
+    assert f"raylift: goodput {goodput:.2f}: 1 restart(s) cost " in out
     # Killed at step 6 with step 4's upload cut off: restarted from step 2.
     assert mlrun.data.tags["raylift.restart.1"].startswith("step 2 from checkpoint-step00000002")
     # The start-up is the command's, logged once at its first step, not again by the restart.
@@ -202,6 +217,7 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     # One MLflow run across the kill and the rerun; nothing logged twice; what changed is tagged.
     assert sorted(history(client, run_id, "train_loss")) == [4, 8, 12, 16]
     assert sorted(history(client, run_id, "startup/total_s")) == [1, 13]  # the rerun's
+    assert history(client, run_id, "goodput")[16] == 1.0  # the rerun lost nothing
     _, mlrun = mlflow_run(in_tmp, run_id)
     assert mlrun.data.tags["raylift.resume_override.train.max_steps"] == "16"
     bpb = history(client, run_id, "val_bpb")
@@ -231,7 +247,9 @@ def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
     cmd = [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), f"name={how}",
            "task=tests.flaky:CrashingDigits", f"task_args={{how: {how}, width: 8}}",
            "train.max_failures=0", "train.max_steps=10", "tracking.log_model=none"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True)
+    done = subprocess.run(
+        cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True, timeout=HANG_S
+    )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
     lines = out.splitlines()
@@ -276,7 +294,12 @@ def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
         "print('script: trained to step', int(result.metrics['step']))\n"
     )
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=in_tmp, env=cli_env(), capture_output=True, text=True
+        [sys.executable, str(script)],
+        cwd=in_tmp,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
     lines = (done.stdout + done.stderr).splitlines()
     assert done.returncode == 0, lines[-40:]

@@ -13,7 +13,8 @@ import torch
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from raylift.core.config import AdapterConfig, merge
+from raylift.core.config import AdapterConfig
+from raylift.core.parsing import merge
 from raylift.run.loop import initial_weights
 from raylift.tasks import build_task
 from raylift.tensors.adapters import attach, base_name, is_adapter, targets, trainable_numel
@@ -303,6 +304,7 @@ def test_adapters_trained_on_one_rank_resume_on_two_on_the_one_rank_curve(
     assert all(loss == pytest.approx(full[s], rel=1e-4) for s, loss in one.items()), name
 
 
+@pytest.mark.slow  # lora_curves trains under every strategy
 def test_a_resume_on_another_base_is_refused_naming_both(
     pretrained: Path, lora_curves: dict, tmp_path: Path
 ) -> None:
@@ -354,7 +356,8 @@ def test_registered_adapters_train_again_from_the_registry_on_the_same_base(
     from transformers import AutoModelForCausalLM
 
     from raylift.artifacts.mlmodel import fetch_weights, model_folder
-    from raylift.artifacts.tracking import Store, start_run
+    from raylift.artifacts.tracking import start_run
+    from raylift.artifacts.tracking_service import Store
     from raylift.tensors.preflight import check_for_config
     from raylift.tensors.weights import WeightsError
 
@@ -408,6 +411,7 @@ def export_cli(cfg: dict, run: Path, fmt: str, out: Path) -> None:
     assert main(args) == 0
 
 
+@pytest.mark.slow  # lora_curves trains under every strategy
 @pytest.mark.parametrize("name", ["fsdp", "zero3"])
 def test_the_peft_folder_and_the_merged_model_give_the_same_logits(
     pretrained: Path, lora_curves: dict, tmp_path: Path, name: str

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from raylift.run.check import NodeFacts, fit_check, node_types, storage_verdict, version_problems
-from tests.helpers import make_config
+from tests.helpers import HANG_S, make_config
 
 REPO = Path(__file__).resolve().parents[2]
 V = {"python": "3.11.7", "torch": "2.13.0", "ray": "2.60.0", "raylift": "0.1.0"}
@@ -102,7 +102,9 @@ def test_a_gpu_nodes_facts_are_read_with_its_gpus_hidden() -> None:
 
     code = "from raylift.run.check import gpu_facts; print(gpu_facts())"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=HANG_S
+    )
     cuda, nccl, memory = ast.literal_eval(out.stdout)
     assert cuda != "-" and nccl != "-" and memory > 1.0, out
 

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from raylift.cli import main
+from tests.helpers import HANG_S
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
 SWEEP = str(Path(__file__).resolve().parents[2] / "configs" / "sweep-digits.yaml")
@@ -32,6 +33,7 @@ def test_bad_config_exits_2_without_traceback() -> None:
         ],
         capture_output=True,
         text=True,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -96,6 +98,7 @@ def test_storage_that_cannot_be_written_is_one_line_and_exit_2_on_any_cluster(
     done = subprocess.run(
         [sys.executable, "-m", "raylift.cli", verb, config, f"{key}={bad}"],
         cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=HANG_S,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()

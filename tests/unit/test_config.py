@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from raylift.core.config import ConfigError, elastic_accum, flatten, parse_overrides
+from raylift.core.config import ConfigError, elastic_accum
+from raylift.core.parsing import flatten, parse_overrides
 from raylift.tensors.precision import ACCEPTED
 from raylift.validation import load_config
 from tests.helpers import make_config

@@ -15,6 +15,7 @@ import pytest
 
 from raylift.core import console
 from raylift.run.worker import print0
+from tests.helpers import HANG_S
 
 
 def user_code(tmp_path: Path, body: str) -> Any:
@@ -198,6 +199,8 @@ def test_an_uncaught_exception_is_shown_whoever_prints_it(tmp_path: Path, where:
         + "from pathlib import Path\nfrom raylift import console\n"
         f"console.route_driver(Path({str(tmp_path / 'run.log')!r}))\n{body}\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S
+    )
     assert "ValueError: boom" in done.stderr, done.stderr
     assert "ValueError: boom" in (tmp_path / "run.log").read_text()

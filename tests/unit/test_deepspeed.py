@@ -16,15 +16,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift.core.config import merge
+from raylift.artifacts.export import consolidated_state_dict
+from raylift.core.parsing import merge
 from raylift.data.ingest import to_device
-from raylift.strategies.deepspeed import DeepSpeedEngine, consolidated_state_dict, ds_config
+from raylift.strategies.deepspeed import DeepSpeedEngine
+from raylift.strategies.deepspeed_config import ds_config
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import CheckpointError
 from raylift.tensors.precision import resolve_precision
 from raylift.validation import config_from_dict
 from tests.helpers import (
     GPT_SMALL,
+    HANG_S,
     ListTracker,
     LocalReporter,
     make_config,
@@ -207,7 +210,7 @@ def test_deepspeed_config_comes_from_raylift_config_and_user_keys_win() -> None:
 def test_raylift_imports_without_deepspeed() -> None:
     code = "import sys, raylift.cli, raylift.artifacts.export, raylift.run.loop\n"
     code += "sys.exit('deepspeed' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=HANG_S).returncode == 0
 
 
 @pytest.mark.slow

@@ -17,7 +17,8 @@ import yaml
 
 from raylift.cli import build_parser
 from raylift.core import reference
-from raylift.core.config import Config, ConfigError, yaml_key
+from raylift.core.config import Config, ConfigError
+from raylift.core.parsing import yaml_key
 from raylift.validation import load_config
 from tests.helpers import HANG_S
 

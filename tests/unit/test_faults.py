@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from raylift.core import storage
-from raylift.core.config import ConfigError, merge
+from raylift.core.config import ConfigError
+from raylift.core.parsing import merge
 from raylift.tensors.checkpoints import CheckpointError, resume_point, verify_checkpoint
 from raylift.validation import load_config
-from tests.helpers import ListTracker, LocalReporter, init_pg, make_config, make_trainer
+from tests.helpers import HANG_S, ListTracker, LocalReporter, init_pg, make_config, make_trainer
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = {
@@ -319,6 +320,7 @@ def test_a_resume_from_an_object_store_reads_each_ranks_share_once(
             [sys.executable, "-m", "raylift.cli", "export", uri, "--out", str(out_file)],
             env={**os.environ, "AWS_ENDPOINT_URL": proxy.endpoint}, capture_output=True,
             text=True, check=False,
+            timeout=HANG_S,
         )  # fmt: skip
     finally:
         proxy.close()
@@ -512,8 +514,10 @@ def test_what_killed_processes_left_in_the_temp_folder_is_removed_with_the_bytes
     import sys
     import time
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    code = "import os; print(os.getpid())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=HANG_S)  # fmt: skip
+    dead = done.stdout.strip()
     left = {
         tmp_path / f"raylift-ckpt-{dead}-abc123": 7,
         tmp_path / f"raylift-ds-universal-{dead}-q1": 3,
@@ -590,13 +594,13 @@ def small_disk(where: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` at ``where`` (mounting needs root: the test skips without it)."""
     where.mkdir()
     made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True, check=False)  # fmt: skip
+                          capture_output=True, text=True, check=False, timeout=HANG_S)  # fmt: skip
     if made.returncode != 0:
         pytest.skip(f"a small disk needs mount: {made.stderr.strip()}")
     try:
         yield where
     finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+        subprocess.run(["umount", "-l", str(where)], check=False, timeout=HANG_S)
 
 
 def test_a_save_whose_part_cannot_fit_on_the_local_disk_is_refused_before_writing(

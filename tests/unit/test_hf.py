@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 
 from raylift.artifacts.export import consolidated_state_dict
 from raylift.cli import main
-from raylift.core.config import merge
-from raylift.data.shards import fingerprint
+from raylift.core.parsing import merge
+from raylift.data.manifest import task_fingerprint
 from raylift.tasks import build_task
 from tests.helpers import (
     GPT_SMALL,
@@ -166,11 +166,11 @@ def test_a_folder_with_a_tokenizer_trains_on_its_tokens(tmp_path: Path) -> None:
 
     # The shards' fingerprint follows the tokenizer: new tokens mean new rows.
     cfg = make_config(task="hf-causal-lm", task_args={"model": str(folder), "block_size": 16})
-    before = fingerprint(cfg, task)
-    assert fingerprint(cfg, build_task(cfg.task, cfg.task_args)) == before
+    before = task_fingerprint(cfg, task)
+    assert task_fingerprint(cfg, build_task(cfg.task, cfg.task_args)) == before
     tokenizer.add_tokens(["raylift"])
     tokenizer.save_pretrained(folder)
-    assert fingerprint(cfg, build_task(cfg.task, cfg.task_args)) != before
+    assert task_fingerprint(cfg, build_task(cfg.task, cfg.task_args)) != before
 
 
 def test_one_text_file_is_split_by_its_tokens_windows(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from raylift.core.config import merge
+from raylift.core.parsing import merge
 from raylift.tasks import build_task
 from raylift.tensors.init import (
     InitError,

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raylift.core.config import EarlyStoppingConfig, OptimConfig, merge
+from raylift.core.config import EarlyStoppingConfig, OptimConfig
+from raylift.core.parsing import merge
 from raylift.data.ingest import to_device
 from raylift.run.loop import LoopState, early_stop_update, seed_everything
 from raylift.strategies.ddp import build_ddp

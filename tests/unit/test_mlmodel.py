@@ -17,7 +17,7 @@ import torch
 from raylift.artifacts.mlmodel import choose_checkpoint, dataset_records, monitored
 from raylift.core.config import ConfigError
 from raylift.core.names import is_mlflow_uri
-from raylift.data.shards import Manifest, ShardFile
+from raylift.data.manifest import Manifest, ShardFile
 from raylift.tensors.checkpoints import FORMAT, LOOP_FILE
 from raylift.tensors.metrics import system_now
 from raylift.validation import load_config
@@ -209,7 +209,8 @@ def test_two_runs_logging_the_same_shards_at_once_both_get_them(tmp_path: Path) 
     once, the second insert fails on the store's unique constraint (seen with two jobs on
     one sqlite store). Here the other run's row is committed between this run's look-up
     and its insert: MLflow raises its real error, and the retry links the winner's row."""
-    from raylift.artifacts.tracking import DatasetRecord, Store
+    from raylift.artifacts.tracking import DatasetRecord
+    from raylift.artifacts.tracking_service import Store
 
     db = tmp_path / "mlflow.db"
     store = Store(f"sqlite:///{db}")
@@ -246,7 +247,8 @@ def test_register_as_works_with_a_sqlite_store_in_another_folder(
     import mlflow
 
     from raylift.artifacts.mlmodel import download
-    from raylift.artifacts.tracking import Store, start_run
+    from raylift.artifacts.tracking import start_run
+    from raylift.artifacts.tracking_service import Store
     from raylift.tasks import build_task
     from raylift.tensors.preflight import check_for_config
     from raylift.tensors.weights import WeightsError

@@ -14,7 +14,7 @@ from raylift.run.plan import (
     count_params,
     make_plan,
     model_states,
-    resolve_auto,
+    plan_strategy,
 )
 from raylift.validation import load_config
 
@@ -64,13 +64,13 @@ def test_activation_checkpointing_saves_less() -> None:
 def test_choice_moves_down_the_list_as_memory_shrinks() -> None:
     cfg = load_config(GPT, ["precision=32"])
     states = 16 * count_params(cfg)
-    roomy = resolve_auto(cfg, 2, 64 * GIB)
+    roomy = plan_strategy(cfg, 2, 64 * GIB)
     assert roomy.name == "ddp" and not roomy.activation_checkpointing
     tight = make_plan(cfg, 2, (states * 0.6) / USABLE / GIB)  # DDP's states alone do not fit
     assert tight.choice is not None and tight.choice.label != "ddp"
     assert tight.choice.states <= tight.budget
     with pytest.raises(ValueError, match="no strategy fits"):
-        resolve_auto(cfg, 2, 1024)
+        plan_strategy(cfg, 2, 1024)
 
 
 def test_plan_command_prints_a_table_and_the_choice(capsys: pytest.CaptureFixture[str]) -> None:

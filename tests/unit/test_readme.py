@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from raylift.core.config import merge
+from raylift.core.parsing import merge
 from raylift.tasks import task_problems
 from raylift.validation import config_from_dict
 from tests.helpers import BASE, ListTracker, LocalReporter, init_pg, make_trainer

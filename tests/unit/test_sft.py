@@ -267,7 +267,7 @@ def test_sft_follows_ddps_curve_under_each_strategy_whole_and_with_lora(tmp_path
     """30 steps, fp32, 2 ranks: fsdp, ZeRO-2, ZeRO-3 and fairscale on DDP's curve (1e-5),
     and LoRA adapters under ddp and fsdp on the same curve as each other; both learn (the
     trained tokens' loss falls)."""
-    from raylift.core.config import merge
+    from raylift.core.parsing import merge
     from tests.chats import model_folder, write_chats
     from tests.helpers import SHIPPED_TRAINING, make_config, run_ranks
 

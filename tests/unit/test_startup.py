@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from raylift.artifacts import tracking
+from raylift.artifacts import tracking, tracking_service
 from raylift.core.startup import PHASES, Startup, from_metrics, process_start, table
 from raylift.run.worker import logged_startup_since
 
@@ -56,8 +56,8 @@ def test_rank0_writes_land_in_order_and_close_waits_for_them(
     mlflow = tracking.client(uri)
     exp = mlflow.create_experiment("t")
     run_id = mlflow.create_run(exp).info.run_id
-    service = tracking.start_service(uri)
-    tracker = tracking.ServiceTracker(service, run_id)
+    service = tracking_service.start_service(uri)
+    tracker = tracking_service.ServiceTracker(service, run_id)
     for step in range(5):
         tracker.log_metrics({"loss": 1.0 / (step + 1)}, step)
     tracker.set_tags({"k": "v"})
@@ -72,7 +72,7 @@ def test_rank0_writes_land_in_order_and_close_waits_for_them(
 
 def test_a_failed_write_is_raised_not_lost(ray_cluster: str, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = tracking.ServiceTracker(tracking.start_service(uri), "no-such-run")
+    tracker = tracking_service.ServiceTracker(tracking_service.start_service(uri), "no-such-run")
     tracker.log_metrics({"loss": 1.0}, 0)
     with pytest.raises(Exception, match="no-such-run"):
         tracker.close()
@@ -86,11 +86,11 @@ def test_a_restarted_group_finds_its_command_start_up_logged(
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlflow = tracking.client(uri)
     run_id = mlflow.create_run(mlflow.create_experiment("t")).info.run_id
-    service = tracking.start_service(uri)
-    store = tracking.RemoteStore(service)
+    service = tracking_service.start_service(uri)
+    store = tracking_service.RemoteStore(service)
     command = Startup.begin(time.time() - 5.0)
     assert not logged_startup_since(store, run_id, command.origin)
-    tracker = tracking.ServiceTracker(service, run_id)
+    tracker = tracking_service.ServiceTracker(service, run_id)
     command.mark("first_step")
     tracker.log_metrics(command.metrics(), 1)
     tracker.close()

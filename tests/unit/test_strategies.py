@@ -9,7 +9,8 @@ import torch
 
 from raylift.artifacts.export import consolidated_state_dict
 from raylift.cli import main
-from raylift.core.config import ConfigError, merge
+from raylift.core.config import ConfigError
+from raylift.core.parsing import merge
 from raylift.run.plan import count_params, model_states
 from raylift.tasks import build_task
 from raylift.validation import load_config

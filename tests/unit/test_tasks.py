@@ -220,11 +220,11 @@ def test_a_corpus_with_no_text_is_refused_naming_it(tmp_path: Path) -> None:
 
 
 def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> None:
-    """An edited, added or removed corpus file or image changes the shards' fingerprint,
+    """An edited, added or removed corpus file or image changes the shards' task_fingerprint,
     so a run prepares its data again instead of training on stale shards."""
     import os
 
-    from raylift.data.shards import fingerprint
+    from raylift.data.manifest import task_fingerprint
     from tests.corpora import write_image_folder
     from tests.helpers import make_config
 
@@ -239,7 +239,7 @@ def test_shards_are_keyed_by_the_raw_data_not_just_the_task(tmp_path: Path) -> N
         cfg = make_config(task=task_name, task_args=args)
 
         def current() -> str:
-            return fingerprint(cfg, build_task(cfg.task, cfg.task_args))  # noqa: B023
+            return task_fingerprint(cfg, build_task(cfg.task, cfg.task_args))  # noqa: B023
 
         first = current()
         assert current() == first  # nothing changed: the shards are reused

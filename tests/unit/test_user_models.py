@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from raylift.core.config import merge
+from raylift.core.parsing import merge
 from raylift.tensors.init import kept_by_name, params_on_meta
 from tests.helpers import SHIPPED_TRAINING, make_config, run_ranks, train_runs
 from tests.unit.test_init import initial_params

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylift.core.config import merge
+from raylift.core.parsing import merge
 from raylift.tasks import build_task
 from raylift.tensors.weights import WeightsError, check, load
 from tests.helpers import GPT_SMALL, HANG_S, make_config, run_ranks

@@ -26,9 +26,10 @@ from raylift.artifacts.adapter_export import export_peft
 from raylift.artifacts.export import export, export_hf, hf_config_or_none
 from raylift.artifacts.tracking import DatasetRecord, redact
 from raylift.core import console, storage
-from raylift.core.config import RUN_CONFIG, Config
+from raylift.core.config import Config
 from raylift.core.errors import first_line
 from raylift.core.names import NOTE, is_mlflow_uri
+from raylift.core.parsing import RUN_CONFIG
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import (
     CheckpointError,

@@ -23,17 +23,11 @@ from typing import Any
 
 import yaml
 
-from raylift.artifacts import mlmodel, tracking
+from raylift.artifacts import mlmodel, tracking, tracking_service
 from raylift.core import console, runlock, storage
 from raylift.core import storage as stores
-from raylift.core.config import (
-    Config,
-    ConfigError,
-    EnvironmentProblem,
-    merge,
-    nest,
-    parse_overrides,
-)
+from raylift.core.config import Config, ConfigError, EnvironmentProblem
+from raylift.core.parsing import merge, nest, parse_overrides
 from raylift.core.storage import join, resolve
 from raylift.data.shards import shards_for_run
 from raylift.run.auto import resolve_auto
@@ -432,7 +426,7 @@ def _log_best_model(
         return
     name = f"{cfg.name}-{best.trial_id}"
     trial = trial_config(cfg.to_dict(), best.params, name)
-    store = tracking.Store(tracking.tracking_uri(cfg))
+    store = tracking_service.Store(tracking.tracking_uri(cfg))
     mlmodel.log_model(
         store, parent, trial, join(storage, name), cfg.tracking.log_model, log,
         metric=(spec.metric, spec.mode),

@@ -14,7 +14,8 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from raylift.core.config import Config, yaml_key
+from raylift.core.config import Config
+from raylift.core.parsing import yaml_key
 
 HEADER = """# Configuration reference
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from raylift.core.config import AUTO, Config, ConfigError
 from raylift.run.check import alive_nodes
-from raylift.run.plan import resolve_auto as plan_auto
+from raylift.run.plan import plan_strategy
 from raylift.strategies import config_problems
 from raylift.tensors.precision import DeviceFacts, choose
 
@@ -58,7 +58,7 @@ def resolve_strategy(cfg: Config, log: Any = print, memory: int | None = None) -
         return cfg
     world = cfg.scaling.min_workers
     memory = worker_facts(cfg).memory if memory is None else memory
-    strategy = plan_auto(cfg, world, memory)
+    strategy = plan_strategy(cfg, world, memory)
     log(f"raylift: strategy auto -> {strategy} ({memory / 2**30:.1f} GiB per worker)")
     return dataclasses.replace(cfg, strategy=strategy)
 

@@ -103,6 +103,7 @@ class Checkpointer:
     ):
         self.engine, self.ctx, self.strategy, self.base = engine, ctx, strategy, base
         self.preempt_saved = False
+        self.bytes_read = 0  # by every rank together, in the last restore
 
     def restore(self, directory: str) -> dict[str, Any]:
         """Load the engine and this rank's RNG, each rank reading only what it needs; the
@@ -117,7 +118,7 @@ class Checkpointer:
         except CheckpointError as exc:
             reader, saved, problem = None, {}, str(exc)
         agree(problem)
-        read = self._all_ranks(reader.read if reader else 0)
+        read = self.bytes_read = self._all_ranks(reader.read if reader else 0)
         total = sum(f.size for f in reader.files.values()) if reader else 0
         self.ctx.log(
             f"raylift: restore read {read / 2**20:,.1f} MiB of the checkpoint's "

@@ -17,6 +17,7 @@ import torch
 
 from raylift.core.startup import Startup
 from raylift.data.ingest import BatchSource
+from raylift.run.restarts import RestartWatch
 from raylift.tensors.metrics import Clock, PhaseClock, StepTimes
 
 
@@ -110,3 +111,5 @@ class WorkerContext:
     startup: Startup | None = None  # phases so far; the loop adds step-0 eval and first step
     # Every rank, at each logging interval: its node's memory for a crash's report.
     heartbeat: Callable[[], None] = lambda: None
+    # Rank 0 on Ray: its progress for the tracking actor, a restart's phases (run.restarts).
+    restarts: RestartWatch | None = None

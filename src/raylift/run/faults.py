@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from typing import Any
 
 from ray.train import UserCallback
@@ -32,13 +33,21 @@ class FaultReporter(UserCallback):
     a crashed process's own report (:class:`Crash`)."""
 
     def __init__(
-        self, max_failures: int, run_dir: str, tracking: Any = None, run_log: str | None = None
+        self,
+        max_failures: int,
+        run_dir: str,
+        tracking: Any = None,
+        run_log: str | None = None,
+        run_id: str | None = None,
     ):
         self.max_failures, self.run_dir = max_failures, run_dir
-        self.tracking, self.run_log = tracking, run_log
+        self.tracking, self.run_log, self.run_id = tracking, run_log, run_id
         self.failures = 0
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Any]) -> None:
+        if self.tracking is not None and self.run_id:
+            # When the restart's clock starts (raylift.run.restarts): first, not waited for.
+            self.tracking.fault.remote(self.run_id, time.time())
         console.route_ray_process()  # this line is raylift's, in the controller's process
         self.failures += 1
         # The folder, not Ray's record: a checkpoint written just before the failure may

@@ -18,13 +18,15 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from raylift.artifacts import mlmodel, tracking
+from raylift.artifacts import mlmodel, tracking, tracking_service
 from raylift.core import console, runlock, storage
-from raylift.core.config import RUN_CONFIG, Config, ConfigError, EnvironmentProblem
+from raylift.core.config import Config, ConfigError, EnvironmentProblem
 from raylift.core.errors import first_line
+from raylift.core.parsing import RUN_CONFIG
 from raylift.core.startup import Startup
 from raylift.core.storage import StorageError
-from raylift.data.shards import Manifest, cache_in_object_store, shards_for_run
+from raylift.data.manifest import Manifest
+from raylift.data.shards import cache_in_object_store, shards_for_run
 from raylift.run.auto import resolve_auto
 from raylift.run.check import before_workers, worker_resources, writable
 from raylift.run.connect import WORKER_ENV, connect_ray
@@ -87,7 +89,9 @@ def placement_bounds(timeout_s: float, attempt_s: str | None = None) -> tuple[fl
     return attempt, max(0, math.ceil(timeout_s / attempt) - 1)
 
 
-def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()) -> Any:
+def build_torch_trainer(
+    cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[Any] = ()
+) -> Any:
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
@@ -98,6 +102,7 @@ def build_trainer(cfg: Config, where: str, spec: RunSpec, callbacks: Sequence[An
         storage.join(where, cfg.name),
         spec.tracking,
         str(log) if log else None,
+        spec.run_id,
     )
     sc = cfg.scaling
     resources = worker_resources(cfg)
@@ -260,8 +265,9 @@ def _train(
         shared = shared_marker(where, cfg.name)
         spec = RunSpec(cfg, manifest.root, run_id, uri, service, cache, probe, startup, shared)
         fit_started = time.time()
-        result = fit(build_trainer(cfg, where, spec, callbacks), spec, store)
+        result = fit(build_torch_trainer(cfg, where, spec, callbacks), spec, store)
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
+        log_goodput(service, store, run_id, int(metrics.get("step", 0)), log)
         final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
         if "nonfinite_step" in metrics:
             store.end_run(run_id, "FAILED", final)
@@ -272,6 +278,19 @@ def _train(
             store.end_run(run_id, "FINISHED", final)
     seconds = time.perf_counter() - started
     return TrainResult(cfg.name, metrics, ckpt, run_id, uri, seconds, cfg, logged)
+
+
+def log_goodput(service: Any, store: Any, run_id: str, step: int, log: Any) -> None:
+    """``goodput``, from the tracking actor's account of the run's restarts; a line too
+    where there were any (each restart had its own, raylift.run.restarts)."""
+    import ray
+
+    facts = ray.get(service.goodput.remote(run_id, time.time()))
+    if facts is None:  # no step was taken
+        return
+    store.log_batch(run_id, [("goodput", facts.share)], step, int(time.time() * 1000))
+    if facts.restarts:
+        log(f"raylift: {facts.line()}")
 
 
 def describe_run(store: Any, run_id: str, cfg: Config, manifest: Any, recorded: str) -> None:
@@ -311,7 +330,7 @@ def tracking_for_run(uri: str, service: Any = None) -> Iterator[tuple[Any, Any]]
     (``ray://``) connection, which is not on the actor's node (the model it logs is a
     folder on its own disk)."""
     if service is not None:
-        yield tracking.RemoteStore(service), service
+        yield tracking_service.RemoteStore(service), service
         return
     import ray
 
@@ -322,12 +341,13 @@ def tracking_for_run(uri: str, service: Any = None) -> Iterator[tuple[Any, Any]]
             "cannot write to through a Ray Client (ray://) connection; set tracking.uri "
             "to an MLflow server (http://...), or run on the cluster with raylift submit"
         )
-    service = tracking.start_service(uri)
+    service = tracking_service.start_service(uri)
     own = client or "mlflow" in sys.modules
     if own:
         service.warm.remote()  # MLflow imported there while Ray Train starts the workers
     try:
-        yield (tracking.Store(uri) if own else tracking.RemoteStore(service)), service
+        store = tracking_service.Store(uri) if own else tracking_service.RemoteStore(service)
+        yield store, service
     finally:
         ray.kill(service)
 

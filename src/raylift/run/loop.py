@@ -259,6 +259,9 @@ class Trainer:
         """Resume from a checkpoint folder, local or a URI (read where it is, each rank
         reading its own part)."""
         directory = str(directory)
+        watch = self.ctx.restarts
+        if watch is not None:
+            watch.restoring()
         saved = self.checkpointer.restore(directory)
         self.state = LoopState(**saved["loop"])
         # Counted in this world's micro-batches: at another world size (an elastic resize)
@@ -267,6 +270,8 @@ class Trainer:
         self.state.batch_in_epoch = self.state.epoch_rows // self.ctx.source.rows_per_micro_batch
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
+        if watch is not None:
+            watch.restored(self.state.step, self.checkpointer.bytes_read)
         # Numbered by the run, not the checkpoint: two resumes from one checkpoint (a node
         # lost before the resized group saved) are two restarts, each with its own tag.
         self.state.restarts = max(self.state.restarts, self.ctx.tracker.restarts()) + 1
@@ -404,6 +409,8 @@ class Trainer:
         self.state.samples += self.global_batch
         self.clock.count_step(self.global_batch)
         step, train_cfg = self.state.step, self.cfg.train
+        if self.ctx.restarts is not None:
+            self._after_restart_step(step)
         if not self.meter.memory:
             self._log_startup()
             self._log_compile()
@@ -418,6 +425,16 @@ class Trainer:
         every = self.cfg.checkpoint.every_n_steps
         if every and step % every == 0 and step != self.state.last_ckpt_step:
             self.checkpoint(self.last_metrics)
+
+    def _after_restart_step(self, step: int) -> None:
+        """Rank 0's progress to the tracking actor; a restart's phases once it is back."""
+        assert self.ctx.restarts is not None
+        metrics = self.ctx.restarts.after_step(step)
+        if metrics is not None:
+            self.ctx.tracker.log_metrics(metrics, step)
+            phases = self.ctx.restarts.phases
+            assert phases is not None
+            self.ctx.log(f"raylift: {phases.line(self.state.restarts)}")
 
     def _log_compile(self) -> None:
         """How long the first step took with compilation in it: said once."""

@@ -205,7 +205,7 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
     return Plan(rows, budget, None, True, 0, 0, counts)
 
 
-def resolve_auto(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
+def plan_strategy(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
     """The concrete strategy ``strategy: auto`` runs as, for this world size and device."""
     plan = make_plan(cfg, world, device_mem_bytes / GIB)
     if plan.choice is None:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any
 
-from raylift.artifacts.tracking import RemoteStore, ServiceTracker
+from raylift.artifacts.tracking_service import RemoteStore, ServiceTracker
 from raylift.core import console, storage
 from raylift.core.config import Config, EnvironmentProblem
 from raylift.core.startup import PREFIX, Startup, process_start
 from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
-from raylift.data.shards import read_manifest
+from raylift.data.manifest import read_manifest
 from raylift.run.context import NullTracker, WorkerContext
 from raylift.run.faults import own_stderr
 from raylift.run.loop import Trainer
 from raylift.run.probe import DoctorProbe, ProbeSettings
+from raylift.run.restarts import RestartWatch
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import (
     CheckpointError,
@@ -44,9 +46,7 @@ class RunSpec:
     shards: str  # the prepared shards' root
     run_id: str  # the MLflow run rank 0 writes to
     tracking_uri: str
-    tracking: (
-        Any  # the tracking actor on the driver's node (raylift.artifacts.tracking.start_service)
-    )
+    tracking: Any  # the tracking actor on the driver's node (tracking_service.start_service)
     cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
     probe: ProbeSettings | None = None  # raylift doctor's windows
     startup: Startup | None = None  # the driver's start-up phases; workers add theirs
@@ -60,6 +60,7 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
+    group_up = time.time()  # Ray Train started the processes and formed the group
     spec: RunSpec = loop_config[SPEC_KEY]
     startup = spec.startup
     if startup is not None:
@@ -73,13 +74,14 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     rank, world = rt.get_world_rank(), rt.get_world_size()
     console.route_ray_process(rank)  # its lines and the user's prints reach the console
     console.warnings_once()
-    sweep_scratch(rank)
+    free_node_scratch(rank)
     check_shared(spec)
     if rank == 0 and startup is not None and restarted(spec, startup):
         # Ray Train restarted the group after a failure: this command's start-up stands as
         # logged; measured from the command again, it would take in the training before.
         spec, startup = dataclasses.replace(spec, startup=None), None
-    trainer = build_trainer(spec, rank, world, ray.train.torch.get_device())
+    watch = RestartWatch(spec.tracking, spec.run_id, group_up) if rank == 0 else None
+    trainer = build_trainer(spec, rank, world, ray.train.torch.get_device(), watch)
     try:
         resume(trainer, spec.config)
         if startup is not None:
@@ -89,7 +91,7 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
 
 
-def sweep_scratch(rank: int) -> None:
+def free_node_scratch(rank: int) -> None:
     """Free what killed workers on this node left in its temp folder (checkpoint staging,
     copies of weights): a node that keeps failing must not fill its disk."""
     removed, freed = storage.sweep_scratch()
@@ -129,7 +131,9 @@ def logged_startup_since(store: Any, run_id: str, origin: float) -> bool:
     return store.metric_since(run_id, f"{PREFIX}total_s", origin) is not None
 
 
-def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
+def build_trainer(
+    spec: RunSpec, rank: int, world: int, device: Any, restarts: RestartWatch | None = None
+) -> Any:
     cfg = spec.config
     task = build_task(cfg.task, cfg.task_args)
     source = build_source(spec, task, rank, world, device)
@@ -146,6 +150,7 @@ def build_trainer(spec: RunSpec, rank: int, world: int, device: Any) -> Any:
         probe=_probe(spec.probe),
         startup=spec.startup,
         heartbeat=register_process(spec.tracking, rank),
+        restarts=restarts,
     )
     trainer = Trainer(cfg, task, ctx)
     if spec.startup is not None:

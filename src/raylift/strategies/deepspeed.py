@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -28,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from raylift.core import storage
-from raylift.core.config import AUTO, Config, merge
+from raylift.core.config import Config
+from raylift.core.parsing import merge
 from raylift.strategies.base import (
     Write,
     apply_activation_checkpointing,
@@ -36,10 +35,17 @@ from raylift.strategies.base import (
     with_frozen,
     written,
 )
+from raylift.strategies.deepspeed_config import ds_config, problems, sized_buckets
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.zero_files import (
+    ENGINE_DIR,
+    TAG,
+    partition_of,
+    partitions,
+    rank_order,
+    read_export,
+)
 from raylift.strategies.zero_layout import (
-    FP32,
-    Located,
     fed,
     locate,
     saved_groups,
@@ -47,19 +53,13 @@ from raylift.strategies.zero_layout import (
     share,
     write_settings,
 )
-from raylift.tensors.checkpoints import CheckpointError, CheckpointReader
+from raylift.tensors.checkpoints import CheckpointError
 from raylift.tensors.init import Initializer, write_in_place, write_zero3
 from raylift.tensors.lazytorch import load_lazy
 from raylift.tensors.optim import build_optimizer
-from raylift.tensors.precision import PRECISIONS, Precision
+from raylift.tensors.precision import Precision
 from raylift.tensors.ranged import Files
-from raylift.tensors.streaming import LazyModel, Spec, saved_model
 
-TAG = "state"  # one checkpoint per folder: a fixed tag, no 'latest' lookup needed
-ENGINE_DIR = "engine"
-# Per-rank ZeRO partition files DeepSpeed writes under <folder>/<tag>/ (one per DP rank).
-# Any per-rank file of a ZeRO checkpoint: optimizer partitions, ZeRO-3's model states.
-_RANK_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_")
 # Gradient storage DeepSpeed's ZeRO optimizers keep (names as in deepspeed/runtime/zero/).
 _GRAD_ATTRS = ("averaged_gradients", "all_grad_tensors", "grads_in_partition")
 _GRAD_ATTRS_STAGE3 = ("grad_partitions_flat_buffer",)
@@ -97,123 +97,6 @@ def import_deepspeed(device_type: str) -> Any:
             "start a fresh worker process (or set DS_ACCELERATOR before anything imports it)"
         )
     return deepspeed
-
-
-def checkpoint_error(message: str) -> Exception:
-    # Late import: raylift.tensors.checkpoints imports the strategies package, which imports this.
-
-    return CheckpointError(message)
-
-
-# ---------------------------------------------------------------- config
-
-
-def precision_config(precision: Precision) -> dict[str, Any]:
-    if precision.use_scaler:
-        # DeepSpeed's fp16: half weights with fp32 masters and a dynamic loss scale whose
-        # overflow check spans all ranks; auto_cast turns float inputs to half.
-        return {"fp16": {"enabled": True, "loss_scale": 0, "auto_cast": True}}
-    if precision.autocast_dtype is not None:
-        # torch.autocast semantics: fp32 weights, low-precision compute. An empty list of
-        # "lower precision safe" modules keeps gradient reduction in fp32, as DDP does.
-        return {
-            "torch_autocast": {
-                "enabled": True,
-                "dtype": str(precision.autocast_dtype).removeprefix("torch."),
-                "lower_precision_safe_modules": [],
-            }
-        }
-    if precision.param_dtype == torch.bfloat16:
-        return {"bf16": {"enabled": True}}  # the whole model in bf16, no autocast
-    return {}
-
-
-def problems(cfg: Config) -> list[str]:
-    s = cfg.strategy
-    out: list[str] = []
-    if s.zero_stage not in (0, 1, 2, 3):
-        out.append(f"strategy.zero_stage: must be 0, 1, 2 or 3, got {s.zero_stage}")
-    elif s.zero_stage == 0:
-        out += [
-            f"strategy.{key}: offloading needs a ZeRO optimizer; "
-            "set strategy.zero_stage to 1, 2 or 3"
-            for key in ("offload", "offload_optimizer")
-            if getattr(s, key)
-        ]
-    if s.offload_param and s.zero_stage != 3:
-        out.append("strategy.offload_param: needs strategy.zero_stage: 3")
-    precision = PRECISIONS.get(cfg.precision)
-    # auto may pick an unscaled precision; an unknown name is the config's to report.
-    scaled = precision.use_scaler if precision else cfg.precision != AUTO
-    if cfg.train.on_nan == "skip" and not scaled:
-        out.append(
-            "train.on_nan: 'skip' with deepspeed relies on DeepSpeed's fp16 loss scaler, which "
-            "skips non-finite steps; set precision: 16-mixed, or train.on_nan: stop"
-        )
-    return out
-
-
-def zero_config(cfg: Config) -> dict[str, Any]:
-    s = cfg.strategy
-    zero: dict[str, Any] = {"stage": s.zero_stage}
-    if s.offload_optimizer or s.offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
-    if s.offload_param or (s.offload and s.zero_stage == 3):
-        zero["offload_param"] = {"device": "cpu"}
-    return zero
-
-
-# DeepSpeed's own defaults, in elements: sized for models of billions of parameters.
-BUCKET_DEFAULTS = {
-    "reduce_bucket_size": 500_000_000,
-    "allgather_bucket_size": 500_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_max_live_parameters": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
-}
-
-
-def sized_buckets(model: nn.Module, blocks: list[nn.Module], stage: int) -> dict[str, int]:
-    """ZeRO's buffers sized to the model's largest repeated block, DeepSpeed's defaults
-    at most.
-
-    With the defaults, ZeRO-3 keeps every parameter it will reuse within 1e9 elements
-    gathered: on any model below that size each rank ends up holding the whole model
-    between forward and backward (measured on a 101M-parameter gpt: 1,794 MiB per rank
-    where the plan counts 612). A block's worth lets one block be in use while the
-    next is prefetched, as FSDP does.
-    """
-
-    def numel(m: nn.Module) -> int:
-        return sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters())
-
-    block = max((numel(b) for b in blocks), default=numel(model))
-    sizes = {
-        "reduce_bucket_size": block,
-        "allgather_bucket_size": block,
-        "stage3_prefetch_bucket_size": block,
-        "stage3_max_live_parameters": 2 * block,
-        "stage3_max_reuse_distance": block,
-    }
-    if stage != 3:
-        sizes = {k: v for k, v in sizes.items() if not k.startswith("stage3")}
-    return {k: max(1, min(v, BUCKET_DEFAULTS[k])) for k, v in sizes.items()}
-
-
-def ds_config(cfg: Config, precision: Precision) -> dict[str, Any]:
-    """DeepSpeed's config from raylift's; keys under ``strategy.config`` are merged last and win."""
-    base: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": cfg.data.batch_size,
-        "gradient_accumulation_steps": cfg.train.grad_accum,
-        "gradient_clipping": cfg.train.grad_clip or 0.0,
-        "zero_optimization": zero_config(cfg),
-        # raylift's torch optimizer, also under offload (no JIT-compiled CPUAdam).
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2**31 - 1,  # raylift logs; DeepSpeed's progress lines are noise
-        **precision_config(precision),
-    }
-    return merge(base, cfg.strategy.config)
 
 
 # ---------------------------------------------------------------- build
@@ -524,7 +407,7 @@ class DeepSpeedEngine:
 
     def load(self, files: Files) -> None:
         names = files.names(ENGINE_DIR)
-        saved = _partitions(names)
+        saved = partitions(names)
         world = dist.get_world_size()
         if saved is None or saved == world:
             # DeepSpeed opens paths: this rank's own partition files and the shared ones
@@ -532,7 +415,7 @@ class DeepSpeedEngine:
             rank = dist.get_rank()
             # Its own partitions and the shared files DeepSpeed loads (not `latest` and
             # the zero_to_fp32.py script DeepSpeed writes beside them).
-            mine = [n for n in names if n.endswith(".pt") and _partition_of(n) in (None, rank)]
+            mine = [n for n in names if n.endswith(".pt") and partition_of(n) in (None, rank)]
             self._load_read(files, mine)
             return
         self._load_resharded(files, names)
@@ -542,16 +425,16 @@ class DeepSpeedEngine:
         fed this rank's share of each weight's master copy and moments, read by range from
         the saved partitions and checked before DeepSpeed starts (zero_layout)."""
         # The model states DeepSpeed's universal load opens: the shared file, or rank 0's.
-        shared = [n for n in names if n.endswith("model_states.pt") and not _partition_of(n)]
+        shared = [n for n in names if n.endswith("model_states.pt") and not partition_of(n)]
         loaded = files.load_each(shared, _load_any)
         stage = self.ds.zero_optimization_stage()
-        optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=_rank_order)
+        optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=rank_order)
         got, problem = {}, None
         try:
             parts = [
                 load_lazy(cast(IO[bytes], files.open(n)))["optimizer_state_dict"] for n in optim
             ]
-            saved = locate(loaded[min(shared, key=_rank_order)], parts)
+            saved = locate(loaded[min(shared, key=rank_order)], parts)
             got = share(self.ds.optimizer, stage, saved)
             step, groups = saved_step(parts), saved_groups(parts)
         except CheckpointError as exc:
@@ -604,7 +487,7 @@ class DeepSpeedEngine:
         finally:
             config.load_universal_checkpoint = before
         if path is None:  # DeepSpeed only warns when it finds nothing
-            raise checkpoint_error(
+            raise CheckpointError(
                 f"{folder}: no DeepSpeed checkpoint with tag {TAG!r} there; the folder is "
                 "incomplete (a rank's files missing?): resume from an earlier checkpoint"
             )
@@ -617,93 +500,6 @@ class DeepSpeedEngine:
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         pass
-
-
-# ---------------------------------------------------------------- checkpoint helpers
-
-
-def _partitions(names: Iterable[str]) -> int | None:
-    ranks = {r for n in names if (r := _partition_of(n)) is not None}
-    return max(ranks) + 1 if ranks else None
-
-
-def _partition_of(name: str) -> int | None:
-    """The rank whose ZeRO partition the file ``name`` holds; None for a shared file."""
-    match = _RANK_FILE.search(name.rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
-
-
-def consolidated_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """A full fp32 ``state_dict`` for the plain model, from a checkpoint folder (or its
-    ``engine/`` folder) written by this engine; tied weights under every name."""
-    ckpt = directory.parent if directory.name == ENGINE_DIR else directory
-    model = read_export(CheckpointReader(str(ckpt)))
-    state = {spec.name: tensor for spec, tensor in model.tensors()}
-    return state | {alias: state[name] for alias, name in model.aliases.items()}
-
-
-def read_export(files: Any) -> LazyModel:
-    """The model of a checkpoint this engine wrote, one fp32 tensor at a time: from the
-    ranks' fp32 master partitions, ranged reads of only those (never the Adam moments
-    beside them in each file); buffers and frozen weights from the model-states files."""
-    folder = f"{ENGINE_DIR}/{TAG}"
-    names = files.names(folder)
-    models = sorted((n for n in names if n.endswith("model_states.pt")), key=_rank_order)
-    optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=_rank_order)
-    if not models:
-        raise checkpoint_error(
-            f"{files.directory}: not a raylift DeepSpeed checkpoint (no {folder}/"
-            "*model_states.pt); pass a checkpoint-step* folder of a run with strategy deepspeed"
-        )
-    if not optim:  # stage 0 without a partitioned optimizer: the module is saved whole
-        return saved_model(files, models[0], "module")
-    states = [load_lazy(files.open(n)) for n in models]
-    parts = [load_lazy(files.open(n))["optimizer_state_dict"] for n in optim]
-    entries = _saved_buffers(states[0]) + _frozen(states) + _trainable(states[0], parts)
-    return LazyModel(entries, dict(states[0].get("shared_params") or {}))
-
-
-def _rank_order(name: str) -> int:
-    return _partition_of(name) or 0
-
-
-Entry = tuple[Spec, Callable[[], torch.Tensor]]
-
-
-def _entry(name: str, shape: Any, dtype: torch.dtype, read: Callable[[], torch.Tensor]) -> Entry:
-    return Spec(name, list(shape), torch.float32 if dtype.is_floating_point else dtype, name), read
-
-
-def _saved_buffers(state: dict[str, Any]) -> list[Entry]:
-    module = state["module"]
-    return [
-        _entry(n, module[n].shape, module[n].dtype, module[n].load)
-        for n in state["buffer_names"] if n in module
-    ]  # fmt: skip
-
-
-def _frozen(states: list[dict[str, Any]]) -> list[Entry]:
-    """Frozen weights: whole in the model states (ZeRO-1/2), or one fragment per rank's
-    model-states file (ZeRO-3)."""
-    shapes = states[0].get("frozen_param_shapes") or {}
-
-    def read(name: str, shape: torch.Size) -> Callable[[], torch.Tensor]:
-        frags = [s["frozen_param_fragments"][name] for s in states]
-        return lambda: torch.cat([f.read() for f in frags])[: shape.numel()].view(shape)
-
-    return [_entry(n, shape, torch.float32, read(n, shape)) for n, shape in shapes.items()]
-
-
-def _trainable(state: dict[str, Any], parts: list[dict[str, Any]]) -> list[Entry]:
-    """The trained weights out of each rank's fp32 partition (zero_layout)."""
-    return [
-        _entry(name, where.shape, torch.float32, functools.partial(_whole, where))
-        for name, where in locate(state, parts).items()
-    ]
-
-
-def _whole(where: Located) -> torch.Tensor:
-    return where.read(FP32).view(where.shape)
 
 
 # ---------------------------------------------------------------- byte counting

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from raylift.core.errors import SourceError
 from raylift.core.storage import filesystem
-from raylift.data.shards import column_total
+from raylift.data.manifest import column_total
 from raylift.data.sources import ERROR_COLUMN, RowSplit, Source, files_version
 from raylift.tasks.base import Batch, Columns
 from raylift.tasks.chat import (

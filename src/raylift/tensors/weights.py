@@ -104,7 +104,7 @@ def header(path: str) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t["shape"]) for n, t in header_entries(path).items()}
 
 
-def fingerprint(path: str) -> str:
+def header_fingerprint(path: str) -> str:
     """xxh3-64 of the safetensors headers of the weights at ``path`` (every tensor's name,
     dtype, shape and place): what says a checkpoint's adapters were trained on these
     weights, in two ranged reads a file."""
@@ -314,5 +314,5 @@ def base_of(cfg: Any, weights: str | None) -> dict[str, str] | None:
 
     return {
         "weights": weights,
-        "headers": weights if is_mlflow_uri(weights) else fingerprint(weights),
+        "headers": weights if is_mlflow_uri(weights) else header_fingerprint(weights),
     }

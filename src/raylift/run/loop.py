@@ -429,12 +429,10 @@ class Trainer:
     def _after_restart_step(self, step: int) -> None:
         """Rank 0's progress to the tracking actor; a restart's phases once it is back."""
         assert self.ctx.restarts is not None
-        metrics = self.ctx.restarts.after_step(step)
-        if metrics is not None:
-            self.ctx.tracker.log_metrics(metrics, step)
-            phases = self.ctx.restarts.phases
-            assert phases is not None
-            self.ctx.log(f"raylift: {phases.line(self.state.restarts)}")
+        back = self.ctx.restarts.after_step(step)
+        if back is not None:
+            self.ctx.tracker.log_metrics(back.metrics(), step)
+            self.ctx.log(f"raylift: {back.line(self.state.restarts)}")
 
     def _log_compile(self) -> None:
         """How long the first step took with compilation in it: said once."""

@@ -97,8 +97,8 @@ class RestartWatch:
             self.phases.restored, self.phases.resumed_step = time.time(), step
             self.phases.restore_bytes = nbytes
 
-    def after_step(self, step: int) -> dict[str, float] | None:
-        """The restart's metrics once the run is back at the step it had reached."""
+    def after_step(self, step: int) -> Phases | None:
+        """The restart's phases, once: when the run is back at the step it had reached."""
         now = time.time()
         if now - self._told >= PROGRESS_EVERY_S:
             self.service.progress.remote(self.run_id, step, now)  # not waited for
@@ -111,6 +111,5 @@ class RestartWatch:
         if step < phases.fault.step:
             return None
         phases.back = now
-        metrics = phases.metrics()
-        self.service.recovered.remote(self.run_id, metrics["restart/recovered_s"])
-        return metrics
+        self.service.recovered.remote(self.run_id, now - phases.fault.at)
+        return phases

@@ -22,7 +22,7 @@ PHASES = {
     "shards": "shard check (or prep)",
     "ray": "Ray start or connect",
     "auto": "auto settings probe",
-    "mlflow": "MLflow run",
+    "mlflow": "MLflow run (its start overlaps the next two phases)",
     "controller": "Train controller, placement, worker processes",
     "worker": "worker imports and process group",
     "data": "data source open",

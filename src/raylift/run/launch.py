@@ -259,13 +259,14 @@ def _train(
     with tracking_for_run(uri, service) as (store, service):
         parent = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
         tags = {**(extra_tags or {}), **parent}  # a sweep's trials are its children
-        run_id = store.start_run(cfg, where, resume, cfg.scaling.min_workers, tags)
-        describe_run(store, run_id, cfg, manifest, recorded)
+        opening = open_run(store, cfg, where, resume, tags, manifest, recorded)
         startup.mark("mlflow")
         shared = shared_marker(where, cfg.name)
-        spec = RunSpec(cfg, manifest.root, run_id, uri, service, cache, probe, startup, shared)
+        spec = RunSpec(cfg, manifest.root, opening.run_id, uri, service, cache, probe, startup,
+                       shared)  # fmt: skip
         fit_started = time.time()
         result = fit(build_torch_trainer(cfg, where, spec, callbacks), spec, store)
+        run_id = opening.opened()
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
         log_goodput(service, store, run_id, int(metrics.get("step", 0)), log)
         final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
@@ -293,10 +294,50 @@ def log_goodput(service: Any, store: Any, run_id: str, step: int, log: Any) -> N
         log(f"raylift: {facts.line()}")
 
 
-def describe_run(store: Any, run_id: str, cfg: Config, manifest: Any, recorded: str) -> None:
-    """The run's config as it ran (an artifact) and the data it trains on (dataset inputs)."""
-    store.log_artifact(run_id, RUN_CONFIG, recorded.encode(), None)
-    store.log_datasets(run_id, mlmodel.dataset_records(cfg, manifest))
+@dataclasses.dataclass
+class Opening:
+    """The MLflow run as it opens: its id, or (through the tracking actor) the future of
+    its id, with the writes that describe it."""
+
+    run_id: Any  # str, or the ObjectRef of one
+    pending: list[Any]
+
+    def opened(self) -> str:
+        """The run's id, once it and its description are written (their errors raised)."""
+        if not self.pending:
+            return str(self.run_id)
+        import ray
+
+        ray.get(self.pending)
+        return str(ray.get(self.run_id))
+
+
+def open_run(
+    store: Any, cfg: Config, where: str, resume: bool, tags: dict[str, str],
+    manifest: Manifest, recorded: str,
+) -> Opening:  # fmt: skip
+    """Start the MLflow run and describe it: its config as it ran (an artifact) and the
+    data it trains on (dataset inputs).
+
+    Through the tracking actor nothing is waited for: the actor's start (MLflow's import,
+    the store's schema check) overlaps Ray Train's start of the workers, which take the
+    id as an ObjectRef. Ray resolves a reference passed as an argument before the call
+    runs, so every write of theirs lands in the run; a process that needs the string
+    asks for it (raylift.run.worker)."""
+    args = (cfg, where, resume, cfg.scaling.min_workers, tags)
+    datasets = mlmodel.dataset_records(cfg, manifest)
+    if not isinstance(store, tracking_service.RemoteStore):
+        run_id = store.start_run(*args)
+        store.log_artifact(run_id, RUN_CONFIG, recorded.encode(), None)
+        store.log_datasets(run_id, datasets)
+        return Opening(run_id, [])
+    actor = store.service
+    ref = actor.start_run.remote(*args)
+    pending = [
+        actor.log_artifact.remote(ref, RUN_CONFIG, recorded.encode(), None),
+        actor.log_datasets.remote(ref, datasets),
+    ]
+    return Opening(ref, pending)
 
 
 def log_run_model(

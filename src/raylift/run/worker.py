@@ -44,7 +44,9 @@ class RunSpec:
 
     config: Config  # strategy already resolved: never "auto" here
     shards: str  # the prepared shards' root
-    run_id: str  # the MLflow run rank 0 writes to
+    # The MLflow run rank 0 writes to: its id, or the ObjectRef of the id while the
+    # tracking actor opens it (raylift.run.launch.open_run); :func:`run_id_of` waits.
+    run_id: Any
     tracking_uri: str
     tracking: Any  # the tracking actor on the driver's node (tracking_service.start_service)
     cache: dict[str, list[Any]] | None = None  # object-store refs per split (data.cache)
@@ -74,6 +76,8 @@ def worker_main(loop_config: dict[str, Any]) -> None:
     rank, world = rt.get_world_rank(), rt.get_world_size()
     console.route_ray_process(rank)  # its lines and the user's prints reach the console
     console.warnings_once()
+    if rank == 0:  # the only rank that writes to the run
+        spec = dataclasses.replace(spec, run_id=run_id_of(spec))
     free_node_scratch(rank)
     check_shared(spec)
     if rank == 0 and startup is not None and restarted(spec, startup):
@@ -89,6 +93,13 @@ def worker_main(loop_config: dict[str, Any]) -> None:
         trainer.run()
     finally:
         trainer.ctx.tracker.close()  # every metric in MLflow before the driver reads them
+
+
+def run_id_of(spec: RunSpec) -> str:
+    """The MLflow run's id, once the tracking actor has opened the run."""
+    import ray
+
+    return spec.run_id if isinstance(spec.run_id, str) else str(ray.get(spec.run_id))
 
 
 def free_node_scratch(rank: int) -> None:

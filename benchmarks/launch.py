@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -201,6 +202,7 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
         rows.append([name, f"{first:.1f} s", f"{first / base_first:.2f}x", f"{end:.1f} s",
                      f"{end / base_end:.2f}x"])  # fmt: skip
     ours = next((r for r in rows if r[0] == "raylift"), rows[-1])
+    tables = [against_ray_train(times), phase_table()]
     save(
         __file__,
         f"seconds from the command to the first optimizer step, and to exit ({opts.steps} "
@@ -210,19 +212,39 @@ def report(times: dict[str, list[tuple[float, float]]], opts: argparse.Namespace
         {"what": "command to first step, quickstart, 2 workers, fresh local Ray",
          "raylift": ours[1], "baseline": f"torchrun {base_first:.1f} s", "ratio": ours[2]},
         notes=f"Median of {opts.repeats} runs of each launcher.",
+        tables=tables,
     )  # fmt: skip
-    pairs = {"fresh": ("raylift", "Ray Train alone")}
-    pairs["joined"] = ("raylift on a running Ray", "Ray Train alone on a running Ray")
+    for t in tables:
+        print(f"\n{t['title']}")
+        for row in t["rows"]:
+            print("  ".join(f"{c:>14}" if i else f"{c:<48}" for i, c in enumerate(row)))
+
+
+def against_ray_train(times: dict[str, list[tuple[float, float]]]) -> dict[str, Any]:
+    """raylift's time to the first step over the same job's under Ray Train alone."""
+    joined = ("raylift on a running Ray", "Ray Train alone on a running Ray")
+    pairs = {"fresh local Ray": ("raylift", "Ray Train alone"), "running Ray": joined}
+    rows = []
     for what, (ours, theirs) in pairs.items():
         if ours in times and theirs in times:
             a, b = (statistics.median(t[0] for t in times[k]) for k in (ours, theirs))
-            print(f"raylift / Ray Train alone, {what}: to first step {a / b:.2f}x ({a - b:+.1f} s)")
-    print("\nraylift's start-up phases (startup/* metrics of each run), median seconds")
-    runs = {"fresh Ray": BREAKDOWN.get("raylift", []), "running Ray": BREAKDOWN.get("joined", [])}
-    print(f"{'phase':<48}" + "".join(f"{k:>13}" for k in runs))
+            rows.append([what, f"{a:.1f} s", f"{b:.1f} s", f"{a / b:.2f}x ({a - b:+.1f} s)"])
+    return {"title": "raylift against Ray Train alone, to the first step",
+            "columns": ["Ray", "raylift", "Ray Train alone", "ratio"], "rows": rows}  # fmt: skip
+
+
+def phase_table() -> dict[str, Any]:
+    """The median of each start-up phase raylift logged (its ``startup/*`` metrics)."""
+    runs = {"fresh local Ray": BREAKDOWN.get("raylift", []),
+            "running Ray": BREAKDOWN.get("joined", [])}  # fmt: skip
+    rows = []
     for phase, what in PHASES.items():
         cells = [statistics.median(r.get(phase, 0.0) for r in rs or [{}]) for rs in runs.values()]
-        print(f"{what:<48}" + "".join(f"{c:>11.1f} s" for c in cells))
+        rows.append([what, *(f"{c:.1f} s" for c in cells)])
+    totals = [statistics.median(sum(r.values()) for r in rs or [{}]) for rs in runs.values()]
+    rows.append(["to the first step (phases add up)", *(f"{c:.1f} s" for c in totals)])
+    return {"title": "raylift's start-up phases (its startup/* metrics), median seconds",
+            "columns": ["phase", *runs], "rows": rows}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ def page(results: list[dict[str, Any]]) -> str:
         parts.append(f"## `{r['benchmark']}`: {r['title']}\n")
         parts.append(f"On {where(r['machine'])}.\n")
         parts.append(table(r["columns"], r["rows"]) + "\n")
+        for more in r.get("tables", []):
+            parts.append(f"{more['title']}:\n")
+            parts.append(table(more["columns"], more["rows"]) + "\n")
         if r.get("notes"):
             parts.append(r["notes"].strip() + "\n")
     return "\n".join(parts)

@@ -45,9 +45,11 @@ def save(
     rows: list[list[Any]],
     summary: dict[str, str],
     notes: str = "",
+    tables: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write ``benchmarks/results/<script>.json``. ``summary`` is the README's one row:
-    ``what``, ``raylift``, ``baseline``, ``ratio`` (strings as they are to be shown)."""
+    ``what``, ``raylift``, ``baseline``, ``ratio`` (strings as they are to be shown).
+    ``tables``: more of the same run's numbers, each a ``title``, ``columns``, ``rows``."""
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{Path(script).stem}.json"
     data = {
@@ -58,6 +60,7 @@ def save(
         "rows": rows,
         "summary": summary,
         "notes": notes,
+        "tables": tables or [],
     }
     out.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(f"saved {out.relative_to(RESULTS.parent.parent)}")

@@ -276,3 +276,39 @@ def test_a_failed_runs_message_and_tracebacks_go_to_the_runs_log_too(
     assert _run_error(RunFailed(said)) == 1
     assert "in build_head" in said
     assert screen.getvalue() == log.read_text() == f"raylift: {said}\n"
+
+
+def test_a_run_mlflow_could_not_open_is_named_as_the_cause(ray_cluster: str) -> None:
+    """The MLflow run opens in the tracking actor beside the workers' start: where it
+    could not, the run's error is MLflow's (exit 2), not rank 0's wait for the id; a run
+    that opened is closed as the status says."""
+    import dataclasses
+
+    import ray
+    from mlflow.exceptions import MlflowException
+
+    from raylift.core.config import EnvironmentProblem
+    from raylift.run.launch import end_unfinished
+
+    @ray.remote(num_cpus=0)
+    def refuse() -> str:
+        raise MlflowException("Cannot create a run in deleted experiment 'raylift'")
+
+    uri = "http://127.0.0.1:5000"
+    spec = RunSpec(make_config(), "shards", refuse.remote(), uri, None)
+    ended: list[tuple[str, str]] = []
+
+    class Store:
+        def end_run(self, run_id: str, status: str) -> None:
+            ended.append((run_id, status))
+
+    with pytest.raises(EnvironmentProblem) as refused:
+        end_unfinished(Store(), spec, "FAILED")
+    assert str(refused.value) == (
+        f"tracking.uri: MLflow could not open the run in {uri}: MlflowException: "
+        "Cannot create a run in deleted experiment 'raylift'"
+    )
+    assert ended == []
+    end_unfinished(Store(), dataclasses.replace(spec, run_id=ray.put("abc")), "KILLED")
+    end_unfinished(Store(), dataclasses.replace(spec, run_id="def"), "FAILED")
+    assert ended == [("abc", "KILLED"), ("def", "FAILED")]

@@ -25,6 +25,7 @@ from raylift.artifacts.tracking import (
 from raylift.core import storage
 from raylift.core.config import Config
 from raylift.core.names import MODEL_NAME
+from raylift.core.parsing import RUN_CONFIG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +227,17 @@ class Store:
         # This store's URI, whatever the config names: they are the same for a run.
         ours = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri=self.uri))
         return start_run(ours, storage, resume, world_size, extra_tags)
+
+    def open_run(
+        self, cfg: Config, storage: str, resume: bool, world_size: int,
+        extra_tags: Mapping[str, str], config_yaml: bytes, datasets: list[DatasetRecord],
+    ) -> str:  # fmt: skip
+        """:meth:`start_run`, then the run's description: its config as it ran (an
+        artifact) and the data it trains on (dataset inputs). Returns the run's id."""
+        run_id = self.start_run(cfg, storage, resume, world_size, extra_tags)
+        self.log_artifact(run_id, RUN_CONFIG, config_yaml, None)
+        self.log_datasets(run_id, datasets)
+        return run_id
 
     def end_run(self, run_id: str, status: str, tags: Mapping[str, str] | None = None) -> None:
         end_run(self.uri, run_id, status, tags)

@@ -39,7 +39,7 @@ from raylift.run.failures import (
 )
 from raylift.run.faults import FaultReporter
 from raylift.run.probe import ProbeSettings
-from raylift.run.worker import SHARED_MARKER, SPEC_KEY, RunSpec, worker_main
+from raylift.run.worker import SHARED_MARKER, SPEC_KEY, RunSpec, run_id_of, worker_main
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import checkpoint_dirs
 from raylift.tensors.preflight import check_for_config
@@ -259,14 +259,13 @@ def _train(
     with tracking_for_run(uri, service) as (store, service):
         parent = {"mlflow.parentRunId": parent_run_id} if parent_run_id else {}
         tags = {**(extra_tags or {}), **parent}  # a sweep's trials are its children
-        opening = open_run(store, cfg, where, resume, tags, manifest, recorded)
+        opened = open_run(store, cfg, where, resume, tags, manifest, recorded)
         startup.mark("mlflow")
         shared = shared_marker(where, cfg.name)
-        spec = RunSpec(cfg, manifest.root, opening.run_id, uri, service, cache, probe, startup,
-                       shared)  # fmt: skip
+        spec = RunSpec(cfg, manifest.root, opened, uri, service, cache, probe, startup, shared)
         fit_started = time.time()
         result = fit(build_torch_trainer(cfg, where, spec, callbacks), spec, store)
-        run_id = opening.opened()
+        run_id = run_id_of(spec)
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
         log_goodput(service, store, run_id, int(metrics.get("step", 0)), log)
         final = {"raylift.final_checkpoint": ckpt} if ckpt else {}
@@ -294,50 +293,23 @@ def log_goodput(service: Any, store: Any, run_id: str, step: int, log: Any) -> N
         log(f"raylift: {facts.line()}")
 
 
-@dataclasses.dataclass
-class Opening:
-    """The MLflow run as it opens: its id, or (through the tracking actor) the future of
-    its id, with the writes that describe it."""
-
-    run_id: Any  # str, or the ObjectRef of one
-    pending: list[Any]
-
-    def opened(self) -> str:
-        """The run's id, once it and its description are written (their errors raised)."""
-        if not self.pending:
-            return str(self.run_id)
-        import ray
-
-        ray.get(self.pending)
-        return str(ray.get(self.run_id))
-
-
 def open_run(
     store: Any, cfg: Config, where: str, resume: bool, tags: dict[str, str],
     manifest: Manifest, recorded: str,
-) -> Opening:  # fmt: skip
-    """Start the MLflow run and describe it: its config as it ran (an artifact) and the
-    data it trains on (dataset inputs).
+) -> Any:  # fmt: skip
+    """The MLflow run, started and described (``Store.open_run``): its id, or through
+    the tracking actor the ObjectRef of its id.
 
-    Through the tracking actor nothing is waited for: the actor's start (MLflow's import,
-    the store's schema check) overlaps Ray Train's start of the workers, which take the
-    id as an ObjectRef. Ray resolves a reference passed as an argument before the call
-    runs, so every write of theirs lands in the run; a process that needs the string
-    asks for it (raylift.run.worker)."""
-    args = (cfg, where, resume, cfg.scaling.min_workers, tags)
-    datasets = mlmodel.dataset_records(cfg, manifest)
-    if not isinstance(store, tracking_service.RemoteStore):
-        run_id = store.start_run(*args)
-        store.log_artifact(run_id, RUN_CONFIG, recorded.encode(), None)
-        store.log_datasets(run_id, datasets)
-        return Opening(run_id, [])
-    actor = store.service
-    ref = actor.start_run.remote(*args)
-    pending = [
-        actor.log_artifact.remote(ref, RUN_CONFIG, recorded.encode(), None),
-        actor.log_datasets.remote(ref, datasets),
-    ]
-    return Opening(ref, pending)
+    Through the actor nothing is waited for: the actor's start (MLflow's import, the
+    store's schema check) overlaps Ray Train's start of the workers, which take the
+    reference. Ray resolves a reference passed as an argument before the call runs, so
+    every write lands in the run; rank 0 waits for the string before its first write
+    (``worker.run_id_of``), so a run that could not be opened fails before training."""
+    args = (cfg, where, resume, cfg.scaling.min_workers, tags, recorded.encode(),
+            mlmodel.dataset_records(cfg, manifest))  # fmt: skip
+    if isinstance(store, tracking_service.RemoteStore):
+        return store.service.open_run.remote(*args)
+    return store.open_run(*args)
 
 
 def log_run_model(
@@ -471,8 +443,21 @@ def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
         raise failed(said) from exc
     finally:
         if status != "FINISHED":
-            store.end_run(spec.run_id, status)
+            end_unfinished(store, spec, status)
     return result
+
+
+def end_unfinished(store: Any, spec: RunSpec, status: str) -> None:
+    """Close the MLflow run as ``status``. Where the tracking actor could not open it
+    (the run opens beside the workers' start: raylift.run.launch.open_run), that is why
+    the workers failed, and the error says so rather than rank 0's symptom."""
+    try:
+        run_id = run_id_of(spec)
+    except Exception as exc:
+        raise EnvironmentProblem(
+            f"tracking.uri: MLflow could not open the run in {spec.tracking_uri}: {first_line(exc)}"
+        ) from exc
+    store.end_run(run_id, status)
 
 
 # ---------------------------------------------------------------- auto

@@ -280,7 +280,7 @@ class Trainer:
         )
         if self._finished():
             self.ctx.log(
-                f"this run already finished (step {self.state.step} of "
+                f"raylift: this run already finished (step {self.state.step} of "
                 f"{self.total_steps}{', stopped early' if self.state.stopped_early else ''}"
                 "); raise train.max_steps / train.max_epochs to train on, or use "
                 "another name for a fresh run"
@@ -299,8 +299,8 @@ class Trainer:
         self.state.nonfinite_step = step
         kept = self.state.last_ckpt_step
         self.ctx.log(
-            f"loss is not finite at step {step}: stopping (train.on_nan: stop); the last good "
-            f"checkpoint is step {kept}" + ("" if kept >= 0 else " (none was written)")
+            f"raylift: loss is not finite at step {step}: stopping (train.on_nan: stop); the "
+            f"last good checkpoint is step {kept}" + ("" if kept >= 0 else " (none was written)")
         )
         metrics = {**self.last_metrics, "nonfinite_step": float(step)}
         self.last_metrics = metrics
@@ -441,8 +441,8 @@ class Trainer:
         seconds = self.clock.now() - self.first_step_started
         self.ctx.tracker.log_metrics({"compile_first_step_s": seconds}, self.state.step)
         self.ctx.log(
-            f"train.compile ({self.cfg.train.compile_mode}): {seconds:.1f} s to the end of the "
-            "first step, compilation included (the evaluation's graphs and training's)"
+            f"raylift: train.compile ({self.cfg.train.compile_mode}): {seconds:.1f} s to the end "
+            "of the first step, compilation included (the evaluation's graphs and training's)"
         )
 
     def _log_startup(self) -> None:

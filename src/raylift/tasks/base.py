@@ -88,6 +88,12 @@ def flops_per_sample(task: object, model: nn.Module) -> float:
     return float(fn(model)) if callable(fn) else 0.0
 
 
+def not_hf(task: object) -> None:
+    """A task's ``hf_config`` where its model is not a Hugging Face model: said, so an
+    export or ``log_model`` need not build the model on the meta device to find out."""
+    return None
+
+
 class ImageClassifier:
     """Loss, evaluation sums and metrics of a task whose batches hold ``image`` and
     ``label``: cross-entropy, accuracy. The built-in image tasks share them."""

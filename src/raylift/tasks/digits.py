@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.tasks.base import Batch, Columns, ImageClassifier
+from raylift.tasks.base import Batch, Columns, ImageClassifier, not_hf
 
 # Mean and std of the digits images after scaling to [0, 1].
 _MEAN, _STD = 0.3045, 0.3760
@@ -63,6 +63,8 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 
 class DigitsTask(ImageClassifier):
     """Classify 8x8 digit images; ``val_fraction`` of them, drawn by ``split_seed``, held out."""
+
+    hf_config = not_hf  # its model is raylift's own: export writes safetensors
 
     def __init__(
         self, width: int = 32, dropout: float = 0.1, val_fraction: float = 0.2, split_seed: int = 0

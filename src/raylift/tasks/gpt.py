@@ -47,7 +47,7 @@ from raylift.data.sources import (
     read_bytes,
     shuffled_files,
 )
-from raylift.tasks.base import Batch, Columns
+from raylift.tasks.base import Batch, Columns, not_hf
 
 VOCAB = 256
 SEP = b"\x00"  # between documents: a byte that text almost never holds
@@ -426,6 +426,8 @@ class GPTTask:
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         loss = sums["loss_sum"] / max(sums["count"], 1.0)
         return {"val_loss": loss, "val_bpb": loss / math.log(2)}
+
+    hf_config = not_hf  # its model is raylift's own: export writes safetensors
 
     def flops_per_sample(self, model: nn.Module) -> float:
         """Training FLOPs of one sample: 6 x parameters per token (forward + backward)."""

@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from raylift.core.errors import SourceError
 from raylift.core.storage import as_uri, filesystem
 from raylift.data.sources import ERROR_COLUMN, Source, files_version, in_val, read_bytes
-from raylift.tasks.base import Batch, Columns, ImageClassifier
+from raylift.tasks.base import Batch, Columns, ImageClassifier, not_hf
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 # ImageNet's channel statistics: a fine default for natural images.
@@ -171,6 +171,8 @@ def decode(data: bytes, size: int) -> np.ndarray:
 
 class ImagesTask(ImageClassifier):
     """Classify the images of ``root``'s class folders at ``image_size`` pixels."""
+
+    hf_config = not_hf  # its model is raylift's own: export writes safetensors
 
     def __init__(
         self,

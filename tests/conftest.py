@@ -156,8 +156,32 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 
 @pytest.fixture(scope="session")
 def ray_jobs(ray_cluster: str) -> str:
-    """The Jobs API (dashboard) of the session's Ray, on 127.0.0.1."""
+    """The Jobs API (dashboard) of the session's Ray, on 127.0.0.1. Its job agent listens
+    on Ray's fixed port, which ``ray.init`` cannot change: where another Ray on this host
+    held it as the session's started, every submission is refused ("No available agent")
+    and the tests say so, with the holder."""
+    if SESSION.get("agent_port_holder"):
+        pytest.fail(
+            f"the session's Ray has no job agent: port {SESSION['agent_port']} was held by "
+            f"{SESSION['agent_port_holder']} when it started (another Ray on this host?); "
+            "stop it (`ray stop`) and run the suite again"
+        )
     return SESSION["dashboard"]
+
+
+def _port_holder(port: int) -> str | None:
+    """Who listens on ``port`` on this host (a process, or "a process" where it is not
+    ours to see), or None where the port is free."""
+    import psutil
+
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            try:
+                proc = psutil.Process(conn.pid)
+                return f"pid {conn.pid} ({' '.join(proc.cmdline())[:120]})"
+            except (psutil.Error, TypeError, ValueError):
+                return "a process"
+    return None
 
 
 BUCKETS = ("runs", "data")
@@ -284,6 +308,7 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
     """One local Ray for the whole session, in its own temp dir, with RAY_ADDRESS pointing
     at it; started after the S3 server, so its workers reach it too."""
     import ray
+    from ray._private import ray_constants
 
     from raylift.run.connect import WORKER_ENV
 
@@ -292,6 +317,8 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
     )
     temp_dir = tempfile.mkdtemp(prefix="rl-ray-", dir="/tmp")  # short: unix socket paths
+    agent_port = ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+    SESSION.update(agent_port=str(agent_port), agent_port_holder=_port_holder(agent_port) or "")
     ctx = ray.init(
         address="local",
         num_cpus=4,

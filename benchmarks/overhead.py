@@ -1,7 +1,7 @@
 """raylift's per-worker loop against a hand-written PyTorch loop, one process.
 
     python benchmarks/overhead.py [--steps 60] [--repeats 5] [--precision 32]
-        [--device auto|cpu|cuda] [--compile]
+        [--device auto|cpu|cuda] [--compile] [--no-save] [key=value ...]
 
 Same task (the gpt task: configs/gpt-tiny.yaml's model on a CPU, GPT-2-small's shape
 on a GPU: 12 layers, d_model 768, block 1024, batch 16), same data, batch, precision,
@@ -143,6 +143,8 @@ def main() -> None:
     parser.add_argument("--precision", default=None, help="default: bf16-mixed on CUDA, else 32")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--compile", action="store_true", help="both loops compiled")
+    parser.add_argument("--no-save", action="store_true", help="print only (benchmarks/gpu.py)")
+    parser.add_argument("overrides", nargs="*", help="config overrides after the sizes")
     args = parser.parse_args()
     if args.steps % WARMUP:
         parser.error(f"--steps must be a multiple of {WARMUP}: the loop logs every {WARMUP}")
@@ -163,6 +165,7 @@ def main() -> None:
             "checkpoint.every_n_steps=null",
             "scaling.num_workers=1",
             f"scaling.use_gpu={str(cuda).lower()}",
+            *args.overrides,
         ],
     )
     data = tensors(build_task(cfg.task, cfg.task_args))
@@ -183,6 +186,8 @@ def main() -> None:
         f"(MFU {mfu(cfg, b, device)}), raylift {a * 1e3:.2f} ms (MFU {mfu(cfg, a, device)}), "
         f"ratio {a / b:.3f}; median of the per-repeat ratios {paired:.3f}"
     )
+    if args.no_save:
+        return
     what = f"step time, gpt-tiny, {cfg.precision}, 1 process on {device.type}" + (
         ", train.compile" if args.compile else ""
     )

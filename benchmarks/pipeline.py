@@ -1,6 +1,7 @@
 """The naive image pipeline the speed guides warn about against raylift's, on one device.
 
     python benchmarks/pipeline.py [--images 3000] [--size 32] [--epochs 15] [--target 0.95]
+        [--no-save]
 
 A folder of JPEGs (and some PNGs) of drawn shapes, three classes, 256 px as photos
 are at least (``tests/corpora.py``; written once, not timed), the same train/val split (the
@@ -182,6 +183,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16, help="the ResNet's first width")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--target", type=float, default=0.95)
+    parser.add_argument("--no-save", action="store_true", help="print only (benchmarks/gpu.py)")
     parser.add_argument("overrides", nargs="*", help="for raylift, e.g. data.prefetch_batches=8")
     opts = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="rl-pipe-", dir="/tmp"))  # short: Ray's sockets
@@ -222,6 +224,8 @@ def report(
             f"{label:<22}{slow['seconds'] / (fast['seconds'] + extra):>9.2f}x"
             f"{slow['reached'] / (fast['reached'] + extra):>10.2f}x"
         )
+    if opts.no_save:
+        return
     rows = [[name, f"{r['seconds']:.1f} s", f"{r['val_acc']:.4f}", f"{r['reached']:.1f} s"]
             for name, r in (("naive", slow), ("raylift", fast))]  # fmt: skip
     save(

@@ -57,8 +57,19 @@ def readme_table(results: list[dict[str, Any]]) -> str:
         ]
         for r in results
     ]
+    if not measured_on_gpu(results):
+        rows.append(["`gpu.py`", GPU_WHAT, NOT_ON_GPU, "-", "-", "-"])
     columns = ["benchmark", "what", "raylift", "baseline", "ratio", "machine"]
     return f"{BEGIN}\n{table(columns, rows)}\n{END}"
+
+
+GPU_WHAT = "GPT-2-small through raylift train (MFU); LoRA against a full 1B fine-tune; checkpoints"
+NOT_ON_GPU = "not measured on a GPU yet"
+
+
+def measured_on_gpu(results: list[dict[str, Any]]) -> bool:
+    """Whether ``benchmarks/gpu.py`` has run on a GPU machine (its file: gpu-<device>.json)."""
+    return any(r["benchmark"].startswith("gpu-") for r in results)
 
 
 def page(results: list[dict[str, Any]]) -> str:
@@ -80,6 +91,12 @@ def page(results: list[dict[str, Any]]) -> str:
             parts.append(table(more["columns"], more["rows"]) + "\n")
         if r.get("notes"):
             parts.append(r["notes"].strip() + "\n")
+    if not measured_on_gpu(results):
+        parts.append(f"## `gpu.py`: {GPU_WHAT}\n")
+        parts.append(
+            f"{NOT_ON_GPU.capitalize()}: no GPU machine has run `benchmarks/gpu.py`. Its "
+            "`--smoke` run on a CPU (a test runs it) checks the script, not the numbers.\n"
+        )
     return "\n".join(parts)
 
 

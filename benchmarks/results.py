@@ -46,12 +46,14 @@ def save(
     summary: dict[str, str],
     notes: str = "",
     tables: list[dict[str, Any]] | None = None,
+    folder: Path = RESULTS,
 ) -> Path:
     """Write ``benchmarks/results/<script>.json``. ``summary`` is the README's one row:
     ``what``, ``raylift``, ``baseline``, ``ratio`` (strings as they are to be shown).
-    ``tables``: more of the same run's numbers, each a ``title``, ``columns``, ``rows``."""
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"{Path(script).stem}.json"
+    ``tables``: more of the same run's numbers, each a ``title``, ``columns``, ``rows``.
+    ``folder``: elsewhere than the results (a smoke run's numbers are no result)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{Path(script).stem}.json"
     data = {
         "benchmark": Path(script).name,
         "title": title,
@@ -63,5 +65,5 @@ def save(
         "tables": tables or [],
     }
     out.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    print(f"saved {out.relative_to(RESULTS.parent.parent)}")
+    print(f"saved {out.relative_to(RESULTS.parent.parent) if out.is_relative_to(RESULTS) else out}")
     return out

@@ -5,6 +5,7 @@ world size the engine can reshard to. The format itself is :mod:`raylift.tensors
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,7 @@ class Checkpointer:
         """Load the engine and this rank's RNG, each rank reading only what it needs; the
         loop state saved with them. Collective: all ranks load, or all raise."""
         agree = agree_across(self.ctx.world_size)
+        started = time.perf_counter()
         try:
             reader = CheckpointReader(directory, agree)
             saved, problem = (
@@ -120,9 +122,11 @@ class Checkpointer:
         agree(problem)
         read = self.bytes_read = self._all_ranks(reader.read if reader else 0)
         total = sum(f.size for f in reader.files.values()) if reader else 0
+        seconds = time.perf_counter() - started  # the slowest rank's: the gather waited for it
         self.ctx.log(
             f"raylift: restore read {read / 2**20:,.1f} MiB of the checkpoint's "
-            f"{total / 2**20:,.1f} MiB ({self.ctx.world_size} ranks together)"
+            f"{total / 2**20:,.1f} MiB in {seconds:.2f} s ({read / max(seconds, 1e-9) / 1e9:.3g} "
+            f"GB/s, {self.ctx.world_size} ranks together)"
         )
         return saved
 

@@ -36,10 +36,10 @@ _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os
 # doctor's verdicts rest on timings a busy machine would change: the other worker waits
 # for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
 # scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
-# each start a local Ray), with the session's Ray idle. The other worker runs the unit
-# tests, one process (or one pair of ranks) at a time.
+# each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
+# other worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
-OWN_RAY = ("test_autoscaler.py", "test_own_ray.py")
+OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
 
 

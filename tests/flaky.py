@@ -86,11 +86,13 @@ class BrokenDigits(DigitsTask):
 class CrashingDigits(DigitsTask):
     """Digits whose ``build_model`` prints a line on every rank, and whose rank 1 crashes
     at its ``crash_at``-th training loss as a user's native code would: ``segv`` reads
-    address 0 (``ctypes.string_at(0)``), ``abort`` calls ``os.abort()``."""
+    address 0 (``ctypes.string_at(0)``), ``abort`` calls ``os.abort()``. ``how`` may name
+    several, comma-separated: each attempt of the run crashes the next way (``marker``
+    counts the attempts that crashed)."""
 
-    def __init__(self, how: str = "segv", crash_at: int = 5, **kwargs: object):
+    def __init__(self, how: str = "segv", crash_at: int = 5, marker: str = "", **kwargs: object):
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.how, self.crash_at, self.calls = how, crash_at, 0
+        self.how, self.crash_at, self.marker, self.calls = how.split(","), crash_at, marker, 0
 
     def build_model(self) -> nn.Module:
         print("user: building the model")  # raylift adds the rank
@@ -99,12 +101,24 @@ class CrashingDigits(DigitsTask):
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         self.calls += 1
         if self.calls == self.crash_at and dist.get_rank() == 1:
-            if self.how == "abort":
-                os.abort()
-            import ctypes
-
-            ctypes.string_at(0)
+            crash(self._next_way())
         return super().loss(model, batch)
+
+    def _next_way(self) -> str:
+        if not self.marker:
+            return self.how[0]
+        path = Path(self.marker)
+        done = int(path.read_text()) if path.exists() else 0
+        path.write_text(str(done + 1))
+        return self.how[min(done, len(self.how) - 1)]
+
+
+def crash(how: str) -> None:
+    if how == "abort":
+        os.abort()
+    import ctypes
+
+    ctypes.string_at(0)
 
 
 def stall_uploads(from_step: int) -> None:

@@ -105,26 +105,44 @@ def kill_overrides(storage: str, marker: Path) -> list[str]:
         "task_args.stall_from=4",
         "optim.warmup_steps=2",
         "precision=32",
+        # No assertion reads a logged model here (export is tested on the resumed run).
+        "tracking.log_model=none",
         f"storage={storage}",
     ]
 
 
 def uninterrupted(tmp: Path, kill_storage: str) -> subprocess.Popen[str]:
     """The run without a kill, on DDP (in fp32 every strategy follows DDP's curve to ~1e-6,
-    test_strategies), started beside the killed one: its own storage, as two runs preparing
-    the same shards in an object store at once would clear each other's."""
+    test_strategies), its own storage, as two runs preparing the same shards in an object
+    store at once would clear each other's. Run as a user's script or notebook runs it:
+    ``raylift.train(raylift.load_config(...))`` after ``import ray``."""
     (tmp / "killed").write_text("no kill")
-    cmd = [sys.executable, "-m", "raylift.cli", "train", str(REPO / "configs" / "gpt-tiny.yaml"),
-           *kill_overrides(f"{kill_storage}-clean", tmp / "killed"), "name=clean",
-           f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]  # fmt: skip
-    return subprocess.Popen(
-        cmd, cwd=tmp, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    overrides = [*kill_overrides(f"{kill_storage}-clean", tmp / "killed"), "name=clean",
+                 f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]  # fmt: skip
+    script = tmp / "train.py"
+    script.write_text(
+        "import ray  # before raylift, as a notebook that used Ray already has\n"
+        "import raylift\n"
+        f"cfg = raylift.load_config({str(REPO / 'configs' / 'gpt-tiny.yaml')!r}, {overrides!r})\n"
+        "result = raylift.train(cfg)\n"
+        "print('script: trained to step', int(result.metrics['step']))\n"
     )
+    return subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp, env=cli_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
 
 
 def val_loss_of(proc: subprocess.Popen[str], tmp: Path) -> float:
+    """The script's run's val_loss; its console holds raylift's lines and the script's
+    own, none with Ray's ``(RayTrainWorker pid=...)`` prefix (the CLI alone was quiet)."""
     out, _ = finish_output(proc, "the uninterrupted run")
     assert proc.returncode == 0, out[-3000:]
+    lines = out.splitlines()
+    assert "script: trained to step 12" in lines, lines[-10:]
+    assert any(line.startswith("epoch ") for line in lines), lines
+    foreign = [line for line in lines if not line.startswith((*OURS, "script: "))]
+    assert not foreign, foreign
     _, run = mlflow_run(tmp, find_only_run(tmp))
     return float(run.data.metrics["val_loss"])
 
@@ -137,7 +155,8 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     checkpoint is still uploading (async; its completion lists never written): one
     console line says so and Ray restarts the group from the newest complete checkpoint,
     step 2's; the run ends where an
-    uninterrupted one (DDP) does, in one MLflow run; a second writer of the run is refused
+    uninterrupted one (DDP, from a user's script: its console is raylift's and the
+    script's) does, in one MLflow run; a second writer of the run is refused
     meanwhile. Then it resumes on 1 worker, verifies and exports from s3://, and a damaged
     newest checkpoint in the store is found and passed over."""
     marker = in_tmp / "killed"
@@ -235,75 +254,57 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12
 
 
+SIGNALS = {"segv": "SIGSEGV (Segmentation fault)", "abort": "SIGABRT (Aborted)"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["segv", "abort"])
 def test_a_worker_that_crashes_is_named_with_its_signal_its_stack_and_its_logs(
-    ray_cluster: str, in_tmp: Path, how: str
+    ray_cluster: str, in_tmp: Path
 ) -> None:
-    """Rank 1 crashes in the user's code at step 5 (a read of address 0, os.abort()): the
-    console names the rank, node and signal, shows the end of the process's stderr (its
-    faulthandler dump, which names the user's frame for a segfault) and two log files that
-    exist; the user's print in build_model shows once per rank; nothing else shows."""
-    cmd = [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), f"name={how}",
-           "task=tests.flaky:CrashingDigits", f"task_args={{how: {how}, width: 8}}",
-           "train.max_failures=0", "train.max_steps=10", "tracking.log_model=none"]  # fmt: skip
+    """Rank 1 crashes in the user's code at step 5, by a read of address 0, and again in
+    the restarted workers by os.abort(): for each, the console names the rank, node and
+    signal, shows the end of the process's stderr (its faulthandler dump, which names the
+    user's frame for a segfault) and two log files that exist; the first is restarted,
+    the second ends the run; the user's print in build_model shows once per rank and
+    attempt; nothing else shows."""
+    task_args = f"task_args={{how: 'segv,abort', width: 8, marker: {in_tmp / 'crashes'}}}"
+    cmd = [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), "name=crash",
+           "task=tests.flaky:CrashingDigits", task_args, "train.max_failures=1",
+           "train.max_steps=10", "tracking.log_model=none"]  # fmt: skip
     done = subprocess.run(
         cmd, cwd=in_tmp, env=cli_env(), capture_output=True, text=True, timeout=HANG_S
     )
     out = done.stdout + done.stderr
     assert done.returncode == 1, out[-3000:]
     lines = out.splitlines()
-    signal = {"segv": "SIGSEGV (Segmentation fault)", "abort": "SIGABRT (Aborted)"}[how]
+    stderr_lines = [line for line in lines if line.startswith("raylift: its stderr: ")]
+    assert len(stderr_lines) == 2, out[-3000:]
+    for how, signal in SIGNALS.items():
+        crash_shown(lines, how, signal)
+    for where in stderr_lines:
+        stderr_file = where.split("its stderr: ")[1].split(" on node ")[0]
+        run_log = where.split("this run's log: ")[1]
+        assert Path(stderr_file).is_file() and Path(run_log).is_file(), where
+    assert f"raylift: the log of everything else (Ray, torch, libraries): {run_log}" in lines
+    assert "Fatal Python error" in Path(run_log).read_text()  # forwarded there whole
+    faults = [ln for ln in lines if "failed:" in ln and not ln.startswith("raylift: training run")]
+    assert len(faults) == 2, faults
+    assert "died by SIGSEGV" in faults[0] and "no restarts left" not in faults[0], faults
+    assert "died by SIGABRT" in faults[1] and "no restarts left" in faults[1], faults
+    (final,) = [line for line in lines if line.startswith("raylift: training run 'crash' failed")]
+    assert "worker rank 1 on node " in final and f"died by {SIGNALS['abort']}" in final, final
+    for rank in (0, 1):
+        assert lines.count(f"[rank {rank}] user: building the model") == 2, lines
+    foreign = [ln for ln in lines if not ln.startswith((*OURS, "    ", "[rank ", "  fix "))]
+    assert not foreign, foreign
+
+
+def crash_shown(lines: list[str], how: str, signal: str) -> None:
+    """One crash line for ``signal``, followed by the end of the process's stderr."""
     (crash,) = [line for line in lines if f"died by {signal}:" in line]
     assert crash.startswith("raylift: worker rank 1 on node "), crash
     tail = lines[lines.index(crash) + 1 :]
     tail = tail[: next(i for i, line in enumerate(tail) if not line.startswith("    "))]
     assert 0 < len(tail) <= 20 and f"    Fatal Python error: {signal.split('(')[1][:-1]}" in tail
     if how == "segv":
-        assert any('tests/flaky.py", line' in line and " in loss" in line for line in tail), tail
-    (where,) = [line for line in lines if line.startswith("raylift: its stderr: ")]
-    stderr_file = where.split("its stderr: ")[1].split(" on node ")[0]
-    run_log = where.split("this run's log: ")[1]
-    assert Path(stderr_file).is_file() and Path(run_log).is_file(), where
-    assert f"raylift: the log of everything else (Ray, torch, libraries): {run_log}" in lines
-    assert "Fatal Python error" in Path(run_log).read_text()  # forwarded there whole
-    (fault,) = [line for line in lines if "failed:" in line and "no restarts left" in line]
-    assert f"died by {signal.split()[0]}" in fault
-    (final,) = [line for line in lines if line.startswith(f"raylift: training run '{how}' failed")]
-    assert "worker rank 1 on node " in final and f"died by {signal}" in final, final
-    for rank in (0, 1):
-        assert lines.count(f"[rank {rank}] user: building the model") == 1, lines
-    foreign = [ln for ln in lines if not ln.startswith((*OURS, "    ", "[rank ", "  fix "))]
-    assert not foreign, foreign
-
-
-@pytest.mark.slow
-def test_raylift_train_from_a_python_script_prints_what_the_cli_prints(
-    ray_cluster: str, in_tmp: Path
-) -> None:
-    """``raylift.train(raylift.load_config(...))`` in a user's script or notebook that
-    imported Ray first: every line on its console is raylift's or the script's own, none
-    with Ray's ``(RayTrainWorker pid=...)`` prefix (the CLI alone was quiet)."""
-    script = in_tmp / "train.py"
-    overrides = ["train.max_steps=10", "train.early_stopping=null", "storage=./runs"]
-    script.write_text(
-        "import ray  # before raylift, as a notebook that used Ray already has\n"
-        "import raylift\n"
-        f"cfg = raylift.load_config({str(QUICKSTART)!r}, {overrides!r})\n"
-        "result = raylift.train(cfg)\n"
-        "print('script: trained to step', int(result.metrics['step']))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=in_tmp,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    lines = (done.stdout + done.stderr).splitlines()
-    assert done.returncode == 0, lines[-40:]
-    assert "script: trained to step 10" in lines, lines[-10:]
-    assert any(line.startswith("epoch ") for line in lines), lines
-    foreign = [line for line in lines if not line.startswith((*OURS, "script: "))]
-    assert not foreign, foreign
+        assert any('tests/flaky.py", line' in line and " in crash" in line for line in tail), tail

@@ -102,3 +102,5 @@ def test_the_models_own_initialisation_is_used() -> None:
     assert report.custom_name == ""
     assert torch.equal(built.layers[0].scale.detach(), drawn)  # not redrawn
     assert report.constructor == 2 * 2 + 1 + 1  # per layer: gain, scale; final gain; pos
+    # The run's first line says so (it was checked under Ray until NormLM's run there went).
+    assert "6 keep their constructor's values" in report.describe("on each rank"), report

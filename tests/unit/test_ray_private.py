@@ -19,6 +19,9 @@ on it, so a Ray upgrade that changes one says what to mend:
 - ``worker.RayReporter``: Train's storage context (``get_context().get_storage()``, a
   DeveloperAPI) names where a checkpoint goes and its filesystem, so that raylift uploads
   the parts itself and records them with ``CheckpointUploadMode.NO_UPLOAD``;
+- ``faults.refresh_cluster_view``: Ray Data's AutoscalingCoordinator (its
+  ``get_or_create_autoscaling_coordinator`` and ``get_reserved_resources(recompute=True)``),
+  which sizes an elastic restart, looks at the nodes again before the restart is sized;
 - ``data.sources.estimated_bytes`` and ``reads_shuffled_files``: a Dataset's logical plan
   (``_logical_plan.dag``, its readers' ``shuffle_config_factory`` or
   ``datasource._shuffle``), to size a split and to
@@ -117,6 +120,27 @@ def test_a_dead_actors_error_names_its_node_as_raylift_reads_it() -> None:
 
 
 SRC = Path(raylift.__file__).parent
+
+
+def test_the_coordinator_that_sizes_elastic_restarts_can_look_again() -> None:
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coord
+
+    get = getattr(coord, "get_or_create_autoscaling_coordinator", None)
+    needs(get, "Ray Data's get_or_create_autoscaling_coordinator", "faults.refresh_cluster_view")
+    actor = getattr(coord, "_AutoscalingCoordinatorActor", None)
+    needs(actor, "Ray Data's _AutoscalingCoordinatorActor", "faults.refresh_cluster_view")
+    params = inspect.signature(actor.get_reserved_resources).parameters  # type: ignore[union-attr]
+    assert "recompute" in params, "mend raylift's faults.refresh_cluster_view"
+    # Ray Train's elastic policy sizes a restart from that same coordinator's reservation.
+    from ray.train.v2._internal.execution.scaling_policy import (
+        autoscaling_coordinator_client as client,
+    )
+
+    assert getattr(client, "get_or_create_autoscaling_coordinator", None) is get, (
+        "Ray Train sizes elastic restarts another way: mend raylift's faults.refresh_cluster_view"
+    )
+
+
 # Every module of raylift that imports Ray (13 today), found by reading them all.
 RAY_USERS = sorted(
     str(p.relative_to(SRC))
@@ -126,6 +150,7 @@ RAY_USERS = sorted(
 # What the list at the top allows: private modules, and private names on Ray's objects.
 ALLOWED = (
     "ray._private.state", "ray._raylet", "_create_default_callbacks", "_base_exc",
+    "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
     "health_check_failure", "_logical_plan", "_shuffle", "shuffle_config_factory",
 )  # fmt: skip
 PRIVATE = re.compile(

@@ -103,6 +103,7 @@ def build_torch_trainer(
         spec.tracking,
         str(log) if log else None,
         spec.run_id,
+        elastic=cfg.scaling.elastic,
     )
     sc = cfg.scaling
     resources = worker_resources(cfg)

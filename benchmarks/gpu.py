@@ -104,18 +104,8 @@ BUDGETS = {
     "check": (20, 60),
     "pipeline": (0, 150),
 }
-PIPELINE_TOY = [
-    "--images",
-    "90",
-    "--source-size",
-    "32",
-    "--size",
-    "16",
-    "--epochs",
-    "2",
-    "--target",
-    "0.0",
-]
+PIPELINE_TOY = ["--images", "90", "--source-size", "32", "--size", "16", "--epochs", "2",
+                "--target", "0.0"]  # fmt: skip
 
 
 class OutOfTime(Exception):
@@ -489,15 +479,17 @@ def device() -> tuple[int, str]:
 
 
 def facts() -> dict[str, Any]:
+    """Torch, CUDA, NCCL (as ``raylift check`` reads them) and the driver's version."""
     import torch
 
-    out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    if torch.cuda.is_available():
-        out["nccl"] = ".".join(str(v) for v in torch.cuda.nccl.version())
-        smi = shutil.which("nvidia-smi")
-        if smi:
-            query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
-            out["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+    from raylift.run.check import gpu_facts
+
+    cuda, nccl, _ = gpu_facts()
+    out: dict[str, Any] = {"torch": torch.__version__, "cuda": cuda, "nccl": nccl}
+    smi = shutil.which("nvidia-smi")
+    if smi and torch.cuda.is_available():
+        query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
     return out
 
 

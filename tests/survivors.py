@@ -26,9 +26,15 @@ def mark_suite() -> str:
 
 
 def marked(value: str) -> list[psutil.Process]:
-    """The live processes that carry ``value``, but this one and those it runs under."""
+    """The live processes that carry ``value``, but this one, those it runs under, and its
+    multiprocessing resource tracker (which ends with it: a run without xdist has one)."""
+    from multiprocessing import resource_tracker
+
     me = psutil.Process()
     spared = {me.pid, *(p.pid for p in me.parents())}
+    tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+    if tracker is not None:
+        spared.add(tracker)
     found = []
     for proc in psutil.process_iter():
         if proc.pid in spared:

@@ -1,7 +1,9 @@
 """MLflow as its users use it, against a real MLflow server whose artifact store is the S3
 server: a run logs its model, its config and its data; the registered model trains again
-from ``models:/NAME/1``; an ``hf-causal-lm`` run under FSDP logs a folder that
-``from_pretrained`` loads after ``mlflow.artifacts.download_artifacts``."""
+from ``models:/NAME/1``; a mixture of experts saved as ``save_pretrained`` writes it (the
+zoo's Mixtral), fine-tuned under ZeRO-3, logs a folder that ``from_pretrained`` loads
+after ``mlflow.artifacts.download_artifacts``: its experts written back in the layout
+transformers reads."""
 
 from __future__ import annotations
 
@@ -18,22 +20,10 @@ import yaml
 
 from tests.helpers import finish_output
 from tests.integration.test_train import OURS, cli_env
-from tests.unit.test_hf import LLAMA
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 REGISTERED = "digits-registered"
-HF_CONFIG = {
-    "task": "hf-causal-lm",
-    "task_args": {"model": LLAMA, "block_size": 32, "max_bytes": 200_000},
-    "data": {"batch_size": 8},
-    "scaling": {"num_workers": 2, "cpus_per_worker": 0.5},
-    "strategy": {"name": "fsdp"},
-    "precision": "32",
-    "optim": {"name": "adamw", "lr": 3.0e-3},
-    "train": {"max_steps": 4, "log_every_n_steps": 2},
-    "checkpoint": {"every_n_steps": None, "keep": 1},
-}
 
 
 def raylift(folder: Path, *args: str) -> subprocess.Popen:
@@ -54,17 +44,22 @@ def finish(proc: subprocess.Popen, what: str) -> str:
 def consoles(
     ray_cluster: str, mlflow_server: str, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, str]:
-    """Three runs, one after the other (each fills the two cores): an hf-causal-lm run
-    under FSDP, the quickstart registered, then a run that starts from the registered
+    """Three runs, one after the other (each fills the two cores): the zoo's Mixtral under
+    ZeRO-3, the quickstart registered, then a run that starts from the registered
     version."""
+    from tests.zoo import save_zoo, zoo_config
+
     folder = tmp_path_factory.mktemp("mlflow-models")
     common = [
         f"tracking.uri={mlflow_server}", "precision=32", f"storage=s3://runs/{folder.name}",
         "train.early_stopping=null", "checkpoint.every_n_steps=null",
     ]  # fmt: skip
-    (folder / "hf.yaml").write_text(yaml.safe_dump(HF_CONFIG))
-    hf = raylift(folder, "train", "hf.yaml", "name=hf-fsdp", *common)
-    out = {"hf": finish(hf, "hf-causal-lm")}
+    moe = save_zoo(folder / "zoo", ["mixtral"])["mixtral"]
+    cfg = zoo_config(moe, {"name": "deepspeed", "zero_stage": 3}, lora=False)
+    cfg["scaling"] = {"num_workers": 2, "cpus_per_worker": 0.5}
+    (folder / "moe.yaml").write_text(yaml.safe_dump(cfg))
+    hf = raylift(folder, "train", "moe.yaml", "name=moe-zero3", *common)
+    out = {"hf": finish(hf, "Mixtral under ZeRO-3")}
     first = raylift(
         folder, "train", str(QUICKSTART), "name=registered", "train.max_steps=12",
         f"tracking.register_as={REGISTERED}", *common,
@@ -150,7 +145,7 @@ def test_a_registered_model_trains_again_from_its_weights(
     )
 
 
-def test_an_hf_model_trained_under_fsdp_loads_with_from_pretrained(
+def test_a_mixture_of_experts_trained_under_zero3_loads_with_from_pretrained(
     consoles: dict[str, str], mlflow_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import mlflow.artifacts
@@ -158,22 +153,34 @@ def test_an_hf_model_trained_under_fsdp_loads_with_from_pretrained(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from tests.zoo import STEPS
+
     client = MlflowClient(tracking_uri=mlflow_server)
-    run = run_of(client, "hf-fsdp")
+    run = run_of(client, "moe-zero3")
     assert ", hf, " in consoles["hf"], consoles["hf"]  # logged as a Hugging Face folder
     # As a user points MLflow at the server (runs:/ resolves through the process's URI).
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     local = mlflow.artifacts.download_artifacts(
         f"runs:/{run.info.run_id}/model", dst_path=str(tmp_path)
     )
-    model = AutoModelForCausalLM.from_pretrained(local)
+    model, info = AutoModelForCausalLM.from_pretrained(local, output_loading_info=True)
+    # Every tensor the model has came from the folder, and every one there went somewhere
+    # (a key transformers does not know would be left out of the model, silently).
+    assert not any(info.values()), info
     saved = load_file(str(Path(local) / "model.safetensors"))
-    state = model.state_dict()
-    # Every saved tensor is one the model has (a renamed key would be left out of the
-    # model, silently), and only the tied head, which shares the embedding, is not saved.
-    assert set(saved) <= set(state), set(saved) - set(state)
-    assert set(state) - set(saved) <= {"lm_head.weight"}, set(state) - set(saved)
-    for name, tensor in saved.items():
-        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0, msg=name)
+    # The experts as the zoo's folder had them, one tensor each: what from_pretrained fuses.
+    assert any(".block_sparse_moe.experts.0.w1." in k for k in saved), sorted(saved)[:20]
+    # The weights the run ended with: the export of its newest checkpoint, in storage.
+    from raylift.cli import main
+
+    ckpt = re.search(r"raylift: checkpoint (\S+)/checkpoint-step", consoles["hf"])
+    assert ckpt, consoles["hf"]
+    exported = tmp_path / "exported"
+    assert main(["export", ckpt.group(1), "--format", "hf", "--out", str(exported)]) == 0
+    final = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True).eval()
+    tokens = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = model.eval()(input_ids=tokens).logits, final(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     note = json.loads((Path(local) / "raylift-model.json").read_text())
-    assert note["format"] == "hf" and note["step"] == 4 and note["task"] == "hf-causal-lm"
+    assert note["format"] == "hf" and note["step"] == STEPS and note["task"] == "hf-causal-lm"

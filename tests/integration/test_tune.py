@@ -1,5 +1,6 @@
-"""`raylift tune` on the session's Ray: a failed trial restarts from its checkpoint and
-an interrupted sweep resumes (the ASHA sweep runs on its own Ray: test_own_ray)."""
+"""`raylift tune` on the session's Ray, with the shipped sweep (configs/sweep-digits.yaml):
+a failed trial restarts from its checkpoint, an interrupted sweep resumes, and the best
+trial's logged model loads back (the ASHA sweep runs on its own Ray: test_own_ray)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,8 @@ def test_a_failed_trial_restarts_and_an_interrupted_sweep_resumes(
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
     assert len(children) == 2 and {c.info.status for c in children} == {"FINISHED"}
+    # The shipped sweep's very end (test_shipped_runs leaves it to this run): the best
+    # trial's model logged to MLflow, downloaded, and loaded into the task's model.
+    from tests.integration.test_shipped_runs import loads_back
+
+    assert loads_back(second.stdout + second.stderr, in_tmp, in_tmp / "logged")

@@ -53,16 +53,16 @@ def logged_model(out: str, folder: Path, into: Path | None = None) -> Path:
     """The model the run logged, downloaded from the MLflow store in ``folder`` (where
     the command ran) into ``into``."""
     import mlflow
+    from mlflow.tracking import MlflowClient
 
-    found = re.search(r"raylift: model logged to MLflow as (models:/\S+) ", out)
+    found = re.search(r"raylift: model logged to MLflow as models:/(\S+) ", out)
     assert found, out
-    dst, store = (into or folder) / "m", f"sqlite:///{folder / 'mlflow.db'}"
-    # The store named for this download only: a process-wide URI would outlive the test.
-    return Path(
-        mlflow.artifacts.download_artifacts(
-            found.group(1), dst_path=str(dst), tracking_uri=store, registry_uri=store
-        )
-    )
+    # Found through this store's client: a models:/ URI resolves through the process-wide
+    # tracking URI, which is another test's, or the working directory's default.
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    location = client.get_logged_model(found.group(1)).artifact_location
+    dst = (into or folder) / "m"
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(dst)))
 
 
 def loads_back(out: str, folder: Path, into: Path) -> dict[str, torch.Tensor]:

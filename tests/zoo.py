@@ -103,7 +103,7 @@ def save_zoo(root: Path, names: list[str] | None = None) -> dict[str, Path]:
 # ------------------------------------------------------------ runs in a pool of ranks
 
 LORA = {"adapter": {"type": "lora", "r": 4, "alpha": 8, "target_modules": "all-linear"}}
-STEPS, RESUME_AT = 6, 3
+STEPS, RESUME_AT = 4, 2
 
 
 def zoo_config(folder: Path, strategy: dict[str, Any], lora: bool) -> dict[str, Any]:

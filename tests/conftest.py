@@ -34,13 +34,16 @@ _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os
 # the two cores by itself, and two at once (or a second Ray beside the first) leave each
 # too little to keep Ray's own timers and the autoscaler's. First what must run alone (the
 # doctor's verdicts rest on timings a busy machine would change: the other worker waits
-# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
-# scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
-# each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
-# other worker runs the unit tests, one process (or one pair of ranks) at a time.
+# for them, in pytest_runtest_setup); then the scenarios that start Rays of their own (the
+# fake autoscaling cluster, two commands that each start a local Ray, the GPU script's
+# smoke run), with the session's Ray idle: they wait on nodes, timers and Ray starts for a
+# quarter of their time, which the unit tests beside them fill (last, they left the
+# machine a quarter idle for ten minutes); then the tests on the session's Ray. The other
+# worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
 OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
+UNIT = 3  # the lane of the tests any worker may run
 
 
 def lane(item: pytest.Item) -> int:
@@ -48,12 +51,12 @@ def lane(item: pytest.Item) -> int:
     if name in ALONE and "integration" in item.path.parts:
         return 0
     if name in OWN_RAY:
-        return 3
-    return 1 if "integration" in item.path.parts else 2
+        return 1
+    return 2 if "integration" in item.path.parts else UNIT
 
 
 def on_ray(item: pytest.Item) -> bool:
-    return lane(item) != 2 or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
+    return lane(item) != UNIT or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
 
 
 def group(item: pytest.Item) -> str | None:

@@ -29,19 +29,18 @@ _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os
 
 
 # Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup); each is a
-# session of its own. The tests on the session's Ray are the group "ray", which one worker
-# runs one at a time (a 2-worker run fills the two cores by itself): first what must run
-# alone (the doctor's verdicts rest on timings a busy machine would change: the other
-# worker waits for them, in pytest_runtest_setup), then the rest. The scenarios that start
-# Rays of their own (the fake autoscaling cluster, two commands that each start a local
-# Ray, the GPU script's smoke run) are the group "own-ray": xdist hands each worker one
-# group to start with, the largest first, so the other worker runs them, then the unit
-# tests, one process (or one pair of ranks) at a time. Each waits on conditions, not
-# deadlines. Run last in the Ray group's worker, they were the suite's last ten minutes.
+# session of its own. The tests on Ray are in the group "ray", which one worker runs in
+# order, one at a time, each run of a test after the one before it: a 2-worker run fills
+# the two cores by itself, and two at once (or a second Ray beside the first) leave each
+# too little to keep Ray's own timers and the autoscaler's. First what must run alone (the
+# doctor's verdicts rest on timings a busy machine would change: the other worker waits
+# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
+# scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
+# each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
+# other worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
 OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
-OWN, UNIT = 1, 3  # the lanes of the scenarios on Rays of their own, and of the unit tests
 
 
 def lane(item: pytest.Item) -> int:
@@ -49,22 +48,16 @@ def lane(item: pytest.Item) -> int:
     if name in ALONE and "integration" in item.path.parts:
         return 0
     if name in OWN_RAY:
-        return OWN
-    return 2 if "integration" in item.path.parts else UNIT
+        return 3
+    return 1 if "integration" in item.path.parts else 2
 
 
 def on_ray(item: pytest.Item) -> bool:
-    """On the session's Ray: the integration tests but the own-Ray scenarios, and the
-    unit tests that ask for its fixtures."""
-    if lane(item) == OWN:
-        return False
-    return lane(item) != UNIT or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
+    return lane(item) != 2 or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
 
 
 def group(item: pytest.Item) -> str | None:
-    """The item's xdist group: "ray", "own-ray", or None (any worker)."""
-    if lane(item) == OWN:
-        return "own-ray"
+    """The item's xdist group: "ray", or None (any worker)."""
     return "ray" if on_ray(item) else None
 
 

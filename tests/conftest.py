@@ -39,7 +39,7 @@ _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os
 # each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
 # other worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
-OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py")
+OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py", "test_drain.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 import time
@@ -46,16 +47,23 @@ class LocalReporter:
         crash_after_step: int | None = None,
         preempt_at_call: int | None = None,
         cut_write: bool = False,
+        deadline_at_call: int | None = None,
     ):
         self.root, self.crash_after_step, self.cut_write = root, crash_after_step, cut_write
         self.metrics: list[dict[str, float]] = []
         self.checkpoints: list[Path] = []
         self.preempt_at_call, self.preempt_calls = preempt_at_call, 0
+        self.deadline_at_call = deadline_at_call
 
-    def preempting(self) -> bool:
-        """A preemption notice from the ``preempt_at_call``-th question on."""
+    def leaving_in(self) -> float | None:
+        """A preemption notice from the ``preempt_at_call``-th question on: with no deadline,
+        or with one far off until the ``deadline_at_call``-th question, and due from then."""
         self.preempt_calls += 1
-        return self.preempt_at_call is not None and self.preempt_calls >= self.preempt_at_call
+        if self.preempt_at_call is None or self.preempt_calls < self.preempt_at_call:
+            return None
+        if self.deadline_at_call is None:
+            return math.inf
+        return 0.0 if self.preempt_calls >= self.deadline_at_call else 1e6
 
     def report(self, metrics: dict[str, float]) -> None:
         self.metrics.append(metrics)
@@ -141,6 +149,7 @@ def make_trainer(
     device: torch.device | None = None,
     now: Any = None,
     source: Any = None,
+    log: Any = None,
 ) -> Trainer:
     """A trainer on in-memory ``data`` (the task's own when not given), or on ``source``."""
     task = build_task(cfg.task, cfg.task_args)
@@ -161,7 +170,7 @@ def make_trainer(
         source=source,
         reporter=reporter,
         tracker=tracker or ListTracker(),
-        log=lambda s: None,
+        log=log or (lambda s: None),
     )
     if now is not None:
         ctx.now = now

@@ -146,6 +146,28 @@ def test_a_preemption_notice_takes_one_checkpoint_at_once(tmp_path: Path, pg: No
     verify_checkpoint(reporter.checkpoints[0])
 
 
+def test_a_leaving_node_gets_a_last_checkpoint_before_its_deadline_and_a_wait(
+    tmp_path: Path, pg: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notice at step 7 saves at once; training goes on while the deadline is far off;
+    at step 12 only one more save fits before it: that save, then the wait for Ray's
+    restart. Here no restart comes (no Ray), so after the wait the run trains on."""
+    import raylift.run.checkpointing
+
+    monkeypatch.setattr(raylift.run.checkpointing, "HOLD_PAST_DEADLINE_S", 0.0)
+    reporter = LocalReporter(tmp_path, preempt_at_call=7, deadline_at_call=12)
+    said: list[str] = []
+    cfg = make_config(**merge(SMALL, {"checkpoint": {"every_n_steps": None}}))
+    make_trainer(cfg, 0, 1, reporter, log=said.append).run()
+    steps = [int(p.name.removeprefix("checkpoint-step")) for p in reporter.checkpoints]
+    assert steps == [7, 12, 30]  # the notice, the deadline's, the end
+    out = "\n".join(said)
+    assert "raylift: preemption notice: checkpoint at step 7" in out, out
+    said = "raylift: the leaving node goes in 0 s: checkpoint at step 12 saved; waiting for Ray"
+    assert said in out and "Ray had not stopped the workers: training on" in out, out
+    assert out.count("preemption notice") == 1, out
+
+
 def flip_one_block(path: Path) -> None:
     """Damage a file as a bad disk block would: same size, different bytes."""
     data = bytearray(path.read_bytes())

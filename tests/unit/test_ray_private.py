@@ -19,9 +19,16 @@ on it, so a Ray upgrade that changes one says what to mend:
 - ``worker.RayReporter``: Train's storage context (``get_context().get_storage()``, a
   DeveloperAPI) names where a checkpoint goes and its filesystem, so that raylift uploads
   the parts itself and records them with ``CheckpointUploadMode.NO_UPLOAD``;
-- ``faults.refresh_cluster_view``: Ray Data's AutoscalingCoordinator (its
-  ``get_or_create_autoscaling_coordinator`` and ``get_reserved_resources(recompute=True)``),
-  which sizes an elastic restart, looks at the nodes again before the restart is sized;
+- ``leaving.Restarts``: Train V2's ``ControllerCallback`` (internal; Train runs a
+  ``RunConfig`` callback that is not a ``UserCallback`` as one of its own), its
+  ``after_controller_state_update`` and the restart states ``RestartingState`` and
+  ``ReschedulingState`` with their ``training_failed_error``;
+- ``leaving.reserve_without_leaving``: Ray's draining nodes
+  (``ray._private.state.state.get_draining_nodes``, as Train's own preemption watcher reads
+  them) and Ray Data's AutoscalingCoordinator, which sizes an elastic restart: its
+  ``get_or_create_autoscaling_coordinator``, and inside the actor (``__ray_call__``) its
+  ``_lock``, ``_tick``, ``_cluster_node_resources`` and ``_refresh_resource_reservations``
+  (tests/unit/test_leaving.py runs them on the real class);
 - ``data.sources.estimated_bytes`` and ``reads_shuffled_files``: a Dataset's logical plan
   (``_logical_plan.dag``, its readers' ``shuffle_config_factory`` or
   ``datasource._shuffle``), to size a split and to
@@ -122,23 +129,50 @@ def test_a_dead_actors_error_names_its_node_as_raylift_reads_it() -> None:
 SRC = Path(raylift.__file__).parent
 
 
-def test_the_coordinator_that_sizes_elastic_restarts_can_look_again() -> None:
+def test_the_coordinator_that_sizes_elastic_restarts_can_be_told_who_leaves() -> None:
+    import ray._private.state
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coord
 
+    user = "leaving.reserve_without_leaving"
+    draining = getattr(getattr(ray._private.state, "state", None), "get_draining_nodes", None)
+    needs(draining, "ray._private.state.state.get_draining_nodes", user)
     get = getattr(coord, "get_or_create_autoscaling_coordinator", None)
-    needs(get, "Ray Data's get_or_create_autoscaling_coordinator", "faults.refresh_cluster_view")
+    needs(get, "Ray Data's get_or_create_autoscaling_coordinator", user)
     actor = getattr(coord, "_AutoscalingCoordinatorActor", None)
-    needs(actor, "Ray Data's _AutoscalingCoordinatorActor", "faults.refresh_cluster_view")
-    params = inspect.signature(actor.get_reserved_resources).parameters  # type: ignore[union-attr]
-    assert "recompute" in params, "mend raylift's faults.refresh_cluster_view"
+    needs(actor, "Ray Data's _AutoscalingCoordinatorActor", user)
+    for name in ("_tick", "_refresh_resource_reservations", "_update_cluster_node_resources"):
+        needs(getattr(actor, name, None), f"_AutoscalingCoordinatorActor.{name}", user)
+    init = inspect.getsource(actor.__init__)  # type: ignore[union-attr]
+    assert "self._lock" in init and "self._cluster_node_resources" in init, f"mend {user}"
     # Ray Train's elastic policy sizes a restart from that same coordinator's reservation.
     from ray.train.v2._internal.execution.scaling_policy import (
         autoscaling_coordinator_client as client,
     )
 
     assert getattr(client, "get_or_create_autoscaling_coordinator", None) is get, (
-        "Ray Train sizes elastic restarts another way: mend raylift's faults.refresh_cluster_view"
+        f"Ray Train sizes elastic restarts another way: mend raylift's {user}"
     )
+
+
+def test_trains_controller_hands_its_restarts_to_a_controller_callback() -> None:
+    from ray.train import PreemptionError, PreemptionInfo
+    from ray.train.v2._internal.execution import callback
+    from ray.train.v2._internal.execution.controller import controller, state
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    user = "leaving.Restarts"
+    needs(getattr(callback, "ControllerCallback", None), "Train's ControllerCallback", user)
+    hook = inspect.signature(callback.ControllerCallback.after_controller_state_update)
+    assert list(hook.parameters) == ["self", "previous_state", "current_state"], f"mend {user}"
+    assert "after_controller_state_update" in inspect.getsource(controller), f"mend {user}"
+    # A RunConfig callback that is not a UserCallback joins Train's own callbacks.
+    assert "not isinstance(cb, UserCallback)" in inspect.getsource(
+        DataParallelTrainer._create_default_callbacks
+    ), f"Train no longer runs RunConfig's internal callbacks: mend raylift's {user}"
+    info = PreemptionInfo(deadline_ms=None, preempted_node_to_ranks={"n": [1]})
+    for name in ("RestartingState", "ReschedulingState"):
+        restart = getattr(state, name)(training_failed_error=PreemptionError(info))
+        assert restart.training_failed_error.preemption_info is info, f"mend {user}"
 
 
 # Every module of raylift that imports Ray (13 today), found by reading them all.
@@ -151,6 +185,7 @@ RAY_USERS = sorted(
 ALLOWED = (
     "ray._private.state", "ray._raylet", "_create_default_callbacks", "_base_exc",
     "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+    "ray.train.v2._internal.execution.callback",
     "health_check_failure", "_logical_plan", "_shuffle", "shuffle_config_factory",
 )  # fmt: skip
 PRIVATE = re.compile(

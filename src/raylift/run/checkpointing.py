@@ -103,7 +103,6 @@ class Checkpointer:
         base: dict[str, str] | None = None,
     ):
         self.engine, self.ctx, self.strategy, self.base = engine, ctx, strategy, base
-        self.preempt_saved = False
         self.bytes_read = 0  # by every rank together, in the last restore
 
     def restore(self, directory: str) -> dict[str, Any]:
@@ -157,10 +156,55 @@ class Checkpointer:
             f"{saved_world} -> {now} workers, restart {state.restarts})"
         )
 
-    def preemption_notice(self, state: LoopState) -> bool:
-        """True once, when a node is about to go (a spot reclaim) and the step is unsaved:
-        saving now beats losing the interval. A collective on Ray: every rank asks."""
-        if self.preempt_saved or not self.ctx.reporter.preempting():
-            return False
-        self.preempt_saved = True
-        return state.step != state.last_ckpt_step
+
+# Before a leaving node's deadline the last save must be in storage with room to spare:
+# the save and a logging interval (the loop looks at the deadline once per interval) take
+# this many times as long as they last did, plus this many seconds.
+LAST_SAVE_SAFETY = 1.5
+LAST_SAVE_SLACK_S = 2.0
+# How long past the deadline a run that saved for it waits for Ray's restart before it
+# concludes that the node stays and trains on.
+HOLD_PAST_DEADLINE_S = 120.0
+
+
+@dataclasses.dataclass
+class Leaving:
+    """A node of the run is leaving (drained for preemption, with a deadline): a checkpoint
+    at the notice; then training goes on, and when only one more save fits before the
+    deadline, that save and a wait for Ray's restart. No step is redone, and the window
+    before the deadline is trained in. Where Ray names no deadline, training goes on after
+    the notice's checkpoint until Ray stops it."""
+
+    noticed: bool = False
+    held: bool = False
+    save_s: float = 0.0  # the longest save so far, until it was in storage
+    looked: float = dataclasses.field(default_factory=time.monotonic)
+
+    def look(self, left: float | None) -> tuple[bool, bool]:
+        """(save now, then hold) for ``left``, the seconds until the node goes (None: no
+        node is leaving). Every rank gets the same ``left`` (rank 0's clock), so every
+        rank decides alike: the save is collective."""
+        now = time.monotonic()
+        interval, self.looked = now - self.looked, now
+        if left is None or self.held:
+            return False, False
+        first, self.noticed = not self.noticed, True
+        if not first and not self.near(left, interval):
+            return False, False
+        return True, self.near(left, interval)
+
+    def near(self, left: float, interval: float) -> bool:
+        """Whether the next interval and another save may not fit before the deadline."""
+        return left <= LAST_SAVE_SAFETY * (self.save_s + interval) + LAST_SAVE_SLACK_S
+
+    def saved(self, seconds: float) -> None:
+        self.save_s = max(self.save_s, seconds)
+
+    def hold(self, left: float, log: Any) -> None:
+        """Wait for Ray to stop the workers at the deadline; if it does not, train on."""
+        self.held = True
+        time.sleep(max(0.0, left) + HOLD_PAST_DEADLINE_S)
+        log(
+            f"raylift: the leaving node was still here {HOLD_PAST_DEADLINE_S:.0f} s after its "
+            "deadline and Ray had not stopped the workers: training on"
+        )

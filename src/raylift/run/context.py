@@ -35,8 +35,10 @@ class Reporter(Protocol):
         newest. Called by every rank at the same points."""
         ...
 
-    def preempting(self) -> bool:
-        """True once a node of this run has been told it will be taken away.
+    def leaving_in(self) -> float | None:
+        """None while no node of this run is leaving; once one has been told it will be
+        taken away, the seconds until the first goes (``math.inf`` where no deadline was
+        given), by rank 0's clock: every rank gets the same number.
 
         Called by every rank at the same points (on Ray it is a barrier)."""
         ...

@@ -39,11 +39,10 @@ class FaultReporter(UserCallback):
         tracking: Any = None,
         run_log: str | None = None,
         run_id: str | None = None,
-        elastic: bool = False,
     ):
         self.max_failures, self.run_dir = max_failures, run_dir
         self.tracking, self.run_log, self.run_id = tracking, run_log, run_id
-        self.elastic, self.failures = elastic, 0
+        self.failures = 0
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Any]) -> None:
         if self.tracking is not None and self.run_id:
@@ -60,35 +59,6 @@ class FaultReporter(UserCallback):
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
         print(describe(worker_exceptions, self.failures, self.max_failures, start, how), flush=True)
-        if self.elastic:
-            refresh_cluster_view()
-
-
-# How long the restart may wait for Ray Data's coordinator to look at the nodes again.
-REFRESH_TIMEOUT_S = 10.0
-
-
-def refresh_cluster_view() -> None:
-    """Have the elastic restart sized by the nodes alive now. Ray Train sizes it by what
-    Ray Data's AutoscalingCoordinator reserved at its last look at the cluster, taken
-    every 20 s: a node lost just before still counts there, and the restart asks for
-    workers that cannot be placed and waits out the worker-group start timeout (60 s)
-    before it retries smaller. This callback runs before that decision; one look now
-    (``recompute=True``, as Ray's own callers that pin nodes ask for) removes the wait.
-    At worst (the call fails or is slow) the restart waits as it would have."""
-    import ray
-    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-        get_or_create_autoscaling_coordinator,
-    )
-
-    try:
-        coordinator = get_or_create_autoscaling_coordinator()
-        ray.get(
-            coordinator.get_reserved_resources.remote("raylift-fault", recompute=True),
-            timeout=REFRESH_TIMEOUT_S,
-        )
-    except Exception as exc:  # the restart goes on with Ray's own view
-        print(f"raylift: could not refresh the cluster's view before the restart: {exc}")
 
 
 # faulthandler's first line names the signal in words (Python's own format).

@@ -38,6 +38,7 @@ from raylift.run.failures import (
     root_of,
 )
 from raylift.run.faults import FaultReporter
+from raylift.run.leaving import Restarts
 from raylift.run.probe import ProbeSettings
 from raylift.run.worker import SHARED_MARKER, SPEC_KEY, RunSpec, run_id_of, worker_main
 from raylift.tasks import build_task
@@ -95,7 +96,7 @@ def build_torch_trainer(
     from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
 
-    # A Train V2 UserCallback, which ray.train's V1 type hints do not know.
+    # Train V2 callbacks, which ray.train's V1 type hints do not know.
     log = console.current_log()
     faults: Any = FaultReporter(
         cfg.train.max_failures,
@@ -103,9 +104,9 @@ def build_torch_trainer(
         spec.tracking,
         str(log) if log else None,
         spec.run_id,
-        elastic=cfg.scaling.elastic,
     )
     sc = cfg.scaling
+    restarts: Any = Restarts(storage.join(where, cfg.name), spec.tracking, spec.run_id, sc.elastic)
     resources = worker_resources(cfg)
     start_timeout, retries = placement_bounds(sc.placement_timeout_s, _USER_ATTEMPT_S)
     # Ray Train propagates this variable from the driver's environment to its controller.
@@ -141,7 +142,7 @@ def build_torch_trainer(
             # Ray Train's own records (a failure's tracebacks among them) go to its log
             # files; the console has raylift's account of them (raylift.run.faults).
             logging_config=LoggingConfig(log_level="WARNING" if console.verbose() else "CRITICAL"),
-            callbacks=[faults, *callbacks],
+            callbacks=[faults, restarts, *callbacks],
         ),
     )
 

@@ -23,7 +23,7 @@ import torch
 from raylift.core import storage
 from raylift.core.config import AdapterConfig, Config, EarlyStoppingConfig, elastic_accum
 from raylift.data.ingest import to_device
-from raylift.run.checkpointing import Checkpointer, LoopState
+from raylift.run.checkpointing import Checkpointer, Leaving, LoopState
 from raylift.run.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.run.progress import Interval, IntervalMeter, Rates, console_line
 from raylift.run.saving import Saver
@@ -174,6 +174,7 @@ class Trainer:
         self.engine, fps = self._build_engine()
         self.base = base_of(cfg, weights_path(cfg, task))
         self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name, self.base)
+        self.leaving = Leaving()
         self.saver = Saver(self.engine, ctx, cfg.checkpoint.async_)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
         peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
@@ -471,12 +472,27 @@ class Trainer:
         ending = self.meter.rotate()
         with self.clock.phase("sync"):
             self._log_interval(ending)
-            notice = self.checkpointer.preemption_notice(self.state)
-        if notice:
-            self.ctx.log(f"raylift: preemption notice: checkpoint at step {self.state.step}")
-            self.checkpoint(self.last_metrics)
+            left = self.ctx.reporter.leaving_in()
+        first = not self.leaving.noticed
+        save, hold = self.leaving.look(left)
+        if not save:
+            return
+        step = self.state.step
+        if step != self.state.last_ckpt_step:
+            if first:
+                self.ctx.log(f"raylift: preemption notice: checkpoint at step {step}")
             started = self.clock.now()
+            self.checkpoint(self.last_metrics)
             self.saver.settle(wait=True)  # in storage before the node goes
+            self.leaving.saved(self.clock.now() - started)
+            self.clock.pause(self.clock.now() - started)
+        if hold and left is not None:
+            self.ctx.log(
+                f"raylift: the leaving node goes in {left:.0f} s: checkpoint at step {step} "
+                "saved; waiting for Ray to restart the workers without it"
+            )
+            started = self.clock.now()
+            self.leaving.hold(left, self.ctx.log)
             self.clock.pause(self.clock.now() - started)
 
     # ------------------------------------------------------------ metrics

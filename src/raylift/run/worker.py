@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -306,10 +307,17 @@ class RayReporter:
                 delete_local_checkpoint_after_upload=False,  # it is the checkpoint in storage
             )
 
-    def preempting(self) -> bool:
+    def leaving_in(self) -> float | None:
         import ray.train
+        from ray.train.collective import broadcast_from_rank_zero
 
-        return ray.train.get_preemption_info() is not None
+        info = ray.train.get_preemption_info()  # rank 0's, on every rank
+        if info is None:
+            return None
+        if info.deadline_ms is None:
+            return math.inf
+        # One clock for every rank: whether to save is a collective decision.
+        return float(broadcast_from_rank_zero(info.deadline_ms / 1000 - time.time()))
 
 
 def print0(rank: int) -> Any:

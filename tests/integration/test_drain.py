@@ -1,0 +1,157 @@
+"""A node drained for preemption under an elastic run, on a Ray of two nodes on this host
+(``ray start --head`` and a second ``ray start --address``, one CPU each, one worker
+each), as a cloud's reclaim notice reaches Ray: ``ray drain-node --reason
+DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``. The run saves at the notice,
+trains on, saves once more before the deadline and waits there; Ray Train tears the group
+down at the deadline, and the restart is sized without the leaving node at its first try.
+No step is redone. Its own Ray, in its own temp dir, stopped by pid."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import HANG_S, stop_ray_of, wait_until
+from tests.integration.test_autoscaler import HELD, free_port
+from tests.integration.test_train import OURS
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+DEADLINE_S = 30  # the notice's lead, as a cloud gives it: long enough to train in and save
+RAY = str(Path(sys.executable).parent / "ray")
+STEP = re.compile(r"^epoch\s+\d+\s+step\s+(\d+)")
+
+
+@contextlib.contextmanager
+def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str], str]]:
+    """A local Ray of a head and one more node, one CPU each: the environment to reach it,
+    and the second node's id. Stopped by pid."""
+    temp_dir = tempfile.mkdtemp(prefix="rl-dr-", dir="/tmp")  # short: unix socket paths
+    gcs = free_port()
+    env = {k: v for k, v in shell.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+              f"--dashboard-agent-listen-port={free_port()}"]  # fmt: skip
+    try:
+        for args in (
+            ["get-auth-token", "--generate"],
+            ["start", "--head", f"--port={gcs}", f"--temp-dir={temp_dir}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}", *common],
+            ["start", f"--address=127.0.0.1:{gcs}", *common[:3],
+             f"--dashboard-agent-listen-port={free_port()}"],
+        ):  # fmt: skip
+            done = subprocess.run([RAY, *args], env=env, cwd=root, capture_output=True,
+                                  text=True, timeout=HANG_S)  # fmt: skip
+            assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        raylets = wait_until(lambda: len(found := raylets_of(temp_dir)) == 2 and found,
+                             "two raylets", seen=lambda: raylets_of(temp_dir))  # fmt: skip
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, raylets[-1]
+    finally:
+        stop_ray_of(temp_dir, timeout=3.0)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def raylets_of(temp_dir: str) -> list[str]:
+    """The node ids of the raylets of the Ray in ``temp_dir``, oldest first."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        node = re.search(r"--node_id=(\w+)", cmdline)
+        if proc.info["name"] == "raylet" and temp_dir in cmdline and node:
+            found.append((proc.info["create_time"], node.group(1)))
+    return [node for _, node in sorted(found)]
+
+
+def drained_run(root: Path, env: dict[str, str], node: str) -> tuple[str, dict[str, float]]:
+    """The elastic run, with the second node drained once it trains on both; its console,
+    and when the drain was sent and each step's line came (``step N``)."""
+    hold = root / "hold"
+    hold.touch()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), "name=drained",
+         f"storage={root / 'runs'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}", *HELD,
+         f"task_args.hold={hold}", "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1",
+         "train.max_epochs=10", "train.max_steps=100", "train.log_every_n_steps=1",
+         "train.early_stopping=null", "checkpoint.every_n_steps=1000"],
+        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    when: dict[str, float] = {}
+    try:
+        for line in run.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            at = STEP.match(line)
+            if at and int(at.group(1)) >= 3 and "drained" not in when:
+                drain = [RAY, "drain-node", "--address", env["RAY_ADDRESS"], "--node-id", node,
+                         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+                         "spot instance reclaimed", "--deadline-remaining-seconds",
+                         str(DEADLINE_S)]  # fmt: skip
+                done = subprocess.run(drain, env=env, capture_output=True, text=True,
+                                      timeout=HANG_S)  # fmt: skip
+                assert done.returncode == 0, done.stdout + done.stderr
+                when["drained"] = time.time()
+            if "-> 1 workers" in line:
+                hold.unlink(missing_ok=True)  # the rest at full speed
+            if at:
+                when.setdefault(f"step {at.group(1)}", time.time())
+        run.wait(timeout=HANG_S)
+    finally:
+        hold.unlink(missing_ok=True)
+        if run.poll() is None:
+            run.kill()
+    out = "".join(lines)
+    assert run.returncode == 0, out[-4000:]
+    return out, when
+
+
+@pytest.fixture(scope="module")
+def drained(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("drain")
+    with two_nodes(root, user_shell) as (env, node):
+        out, when = drained_run(root, env, node)
+    return {"out": out, "when": when, "root": root}
+
+
+def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) -> None:
+    out, when = drained["out"], drained["when"]
+    assert not [x for x in out.splitlines() if not x.startswith(OURS)], out
+    notice = re.search(r"raylift: preemption notice: checkpoint at step (\d+)", out)
+    last = re.search(
+        r"raylift: the leaving node goes in \d+ s: checkpoint at step (\d+) saved", out
+    )
+    assert notice and last, out
+    resumed = re.search(
+        r"raylift: resumed from \S+checkpoint-step(\d+) at step (\d+) .*2 -> 1 work", out
+    )
+    assert resumed and int(resumed.group(1)) == int(last.group(1)), out
+    lines = out.splitlines()
+    restart = next(i for i, x in enumerate(lines) if x.startswith("raylift: resumed from"))
+    before = [int(m.group(1)) for x in lines[:restart] if (m := STEP.match(x))]
+    after = [int(m.group(1)) for x in lines[restart:] if (m := STEP.match(x))]
+    # No step is trained twice: the last one before the restart is the one it resumed at.
+    assert max(before) == int(resumed.group(1)) and min(after) == max(before) + 1, (before, after)
+    reclaimed = [x for x in lines if " reclaimed (drained for preemption): restarting" in x]
+    assert len(reclaimed) == 1 and reclaimed[0].endswith("against train.max_failures)"), out
+    # The restart was placed at its first try: Ray Train did not wait out its start timeout
+    # for a worker on the leaving node, and tried no second size.
+    assert "could not all be placed" not in out, out
+    assert "restart 1 cost" in out and "after redoing 0 step(s)" in out, out
+    sent, gone, back = when["drained"], when[f"step {max(before)}"], when[f"step {min(after)}"]
+    marks = ("preemption notice", "leaving node goes", "reclaimed", "resumed from", "restart 1")
+    print("", *[x for x in lines if any(m in x for m in marks)], sep="\n")
+    print(
+        f"the drain's timeline, from the drain: the last step before the restart at "
+        f"{gone - sent:.1f} s, the first after it at {back - sent:.1f} s "
+        f"({back - gone:.1f} s between)"
+    )

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from raylift.run.leaving import preemption_line, reserver
+from raylift.run.leaving import preemption_line, reserver, silent
 
 HEAD, LEAVING = "aa" * 28, "bb" * 28
 NODES = [
@@ -97,3 +97,23 @@ def test_a_preemptions_restart_names_the_node_its_ranks_and_the_checkpoint() -> 
         "against train.max_failures)"
     )
     assert "from step 0 (no checkpoint" in preemption_line(info, {}, None)
+
+
+def test_a_node_whose_raylet_takes_no_connection_counts_as_gone() -> None:
+    """A raylet that listens answers; one whose process died (its port closed) refuses at
+    once; a node with no address to ask keeps Ray's own view."""
+    import socket
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+        nodes = [
+            {"NodeID": "up", "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": listening.getsockname()[1]},
+            {"NodeID": "dead", "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": closed.getsockname()[1]},
+            {"NodeID": "unknown", "NodeManagerAddress": "", "NodeManagerPort": 0},
+        ]  # fmt: skip
+        assert silent(nodes) == {"dead"}
+    assert silent([]) == set()

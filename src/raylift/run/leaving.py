@@ -98,20 +98,52 @@ def node_addresses() -> dict[str, str]:
 
 def reserve_without_leaving() -> None:
     """Have the coordinator reserve for the restart from the nodes that stay: the live ones,
-    less those draining. One look, not a standing change to the coordinator: its next
-    regular look (within 20 s) counts every live node again, as Ray Data's own users
-    expect, and by then the restart is placed."""
+    less those draining and those whose raylet no longer answers. One look, not a standing
+    change to the coordinator: its next regular look (within 20 s) counts every node Ray
+    calls alive again, as Ray Data's own users expect, and by then the restart is placed."""
     import ray
     from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
         get_or_create_autoscaling_coordinator,
     )
 
     try:
-        leaving = set(ray._private.state.state.get_draining_nodes())
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        leaving = set(ray._private.state.state.get_draining_nodes()) | silent(alive)
         coordinator = get_or_create_autoscaling_coordinator()
         ray.get(coordinator.__ray_call__.remote(reserver(), leaving), timeout=REFRESH_TIMEOUT_S)
     except Exception as exc:  # the restart goes on with Ray's own view
         print(f"raylift: could not refresh the cluster's view before the restart: {exc}")
+
+
+# A raylet that does not take a connection within this long counts as gone for the
+# restart: one whose process died refuses at once, one whose host is gone times out.
+RAYLET_ANSWER_S = 2.0
+
+
+def silent(nodes: list[dict[str, Any]], timeout: float = RAYLET_ANSWER_S) -> set[str]:
+    """The ids of the ``nodes`` (``ray.nodes()``'s records) whose raylet takes no TCP
+    connection. Ray calls a node dead only after its health checks have failed for a
+    while (about half a minute by default); a restart sized before then asks for a worker
+    there and waits out Ray Train's worker-group start timeout. All nodes at once, so the
+    look costs at most ``timeout``."""
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    def refuses(node: dict[str, Any]) -> bool:
+        address = (node.get("NodeManagerAddress", ""), int(node.get("NodeManagerPort") or 0))
+        if not all(address):
+            return False  # nothing to ask: Ray's own view stands
+        try:
+            socket.create_connection(address, timeout=timeout).close()
+            return False
+        except OSError:
+            return True
+
+    if not nodes:
+        return set()
+    with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        gone = list(pool.map(refuses, nodes))
+    return {n["NodeID"] for n, out in zip(nodes, gone, strict=True) if out}
 
 
 def reserver() -> Callable[[Any, set[str]], None]:

@@ -1,21 +1,29 @@
-"""A node drained for preemption under an elastic run, on a Ray of two nodes on this host
-(``ray start --head`` and a second ``ray start --address``, one CPU each, one worker
-each), as a cloud's reclaim notice reaches Ray: ``ray drain-node --reason
-DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``. The run saves at the notice,
-trains on, saves once more before the deadline and waits there; Ray Train tears the group
-down at the deadline, and the restart is sized without the leaving node at its first try.
-No step is redone. Its own Ray, in its own temp dir, stopped by pid."""
+"""A node lost under an elastic run, on a Ray of two nodes on this host (``ray start
+--head`` and a second ``ray start --address``, one CPU each, one worker each), two ways:
+
+- drained for preemption, as a cloud's reclaim notice reaches Ray (``ray drain-node
+  --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``). The run saves at
+  the notice, trains on, saves once more before the deadline and waits there; Ray Train
+  tears the group down at the deadline, and the restart is sized without the leaving
+  node at its first try. No step is redone.
+- its raylet SIGKILLed, with no notice. Ray calls the node dead only after its health
+  checks have failed for a while; the restart is sized without it all the same (its
+  raylet takes no connection), at its first try, from the newest checkpoint.
+
+Each on its own Ray, in its own temp dir, stopped by pid."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -34,9 +42,9 @@ STEP = re.compile(r"^epoch\s+\d+\s+step\s+(\d+)")
 
 
 @contextlib.contextmanager
-def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str], str]]:
+def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str], str, str]]:
     """A local Ray of a head and one more node, one CPU each: the environment to reach it,
-    and the second node's id. Stopped by pid."""
+    the second node's id and the Ray's temp dir. Stopped by pid."""
     temp_dir = tempfile.mkdtemp(prefix="rl-dr-", dir="/tmp")  # short: unix socket paths
     gcs = free_port()
     env = {k: v for k, v in shell.items() if not k.startswith("RAY_")}
@@ -56,34 +64,49 @@ def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str
             assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
         raylets = wait_until(lambda: len(found := raylets_of(temp_dir)) == 2 and found,
                              "two raylets", seen=lambda: raylets_of(temp_dir))  # fmt: skip
-        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, raylets[-1]
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, raylets[-1][1], temp_dir
     finally:
         stop_ray_of(temp_dir, timeout=3.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def raylets_of(temp_dir: str) -> list[str]:
-    """The node ids of the raylets of the Ray in ``temp_dir``, oldest first."""
+def raylets_of(temp_dir: str) -> list[tuple[int, str]]:
+    """(pid, node id) of the raylets of the Ray in ``temp_dir``, oldest first."""
     found = []
     for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
         node = re.search(r"--node_id=(\w+)", cmdline)
         if proc.info["name"] == "raylet" and temp_dir in cmdline and node:
-            found.append((proc.info["create_time"], node.group(1)))
-    return [node for _, node in sorted(found)]
+            found.append((proc.info["create_time"], proc.pid, node.group(1)))
+    return [(pid, node) for _, pid, node in sorted(found)]
 
 
-def drained_run(root: Path, env: dict[str, str], node: str) -> tuple[str, dict[str, float]]:
-    """The elastic run, with the second node drained once it trains on both; its console,
-    and when the drain was sent and each step's line came (``step N``)."""
+def drain(env: dict[str, str], node: str) -> None:
+    args = [RAY, "drain-node", "--address", env["RAY_ADDRESS"], "--node-id", node,
+            "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
+            "spot instance reclaimed", "--deadline-remaining-seconds", str(DEADLINE_S)]  # fmt: skip
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=HANG_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def kill_raylet(temp_dir: str, node: str) -> None:
+    (pid,) = [pid for pid, found in raylets_of(temp_dir) if found == node]
+    os.kill(pid, signal.SIGKILL)
+
+
+def elastic_run(
+    root: Path, env: dict[str, str], name: str, fault: Callable[[], None], *extra: str
+) -> tuple[str, dict[str, float]]:
+    """The elastic run, with ``fault`` done once it trains on both nodes; its console, and
+    when the fault came and each step's line (``step N``)."""
     hold = root / "hold"
     hold.touch()
     run = subprocess.Popen(
-        [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), "name=drained",
+        [sys.executable, "-m", "raylift.cli", "train", str(QUICKSTART), f"name={name}",
          f"storage={root / 'runs'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}", *HELD,
          f"task_args.hold={hold}", "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1",
          "train.max_epochs=10", "train.max_steps=100", "train.log_every_n_steps=1",
-         "train.early_stopping=null", "checkpoint.every_n_steps=1000"],
+         "train.early_stopping=null", *extra],
         cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     lines: list[str] = []
@@ -92,15 +115,9 @@ def drained_run(root: Path, env: dict[str, str], node: str) -> tuple[str, dict[s
         for line in run.stdout:  # type: ignore[union-attr]
             lines.append(line)
             at = STEP.match(line)
-            if at and int(at.group(1)) >= 3 and "drained" not in when:
-                drain = [RAY, "drain-node", "--address", env["RAY_ADDRESS"], "--node-id", node,
-                         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message",
-                         "spot instance reclaimed", "--deadline-remaining-seconds",
-                         str(DEADLINE_S)]  # fmt: skip
-                done = subprocess.run(drain, env=env, capture_output=True, text=True,
-                                      timeout=HANG_S)  # fmt: skip
-                assert done.returncode == 0, done.stdout + done.stderr
-                when["drained"] = time.time()
+            if at and int(at.group(1)) >= 3 and "fault" not in when:
+                fault()
+                when["fault"] = time.time()
             if "-> 1 workers" in line:
                 hold.unlink(missing_ok=True)  # the rest at full speed
             if at:
@@ -117,10 +134,28 @@ def drained_run(root: Path, env: dict[str, str], node: str) -> tuple[str, dict[s
 
 @pytest.fixture(scope="module")
 def drained(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Storage checkpoints far apart: what the run keeps is the notice's and the deadline's."""
     root = tmp_path_factory.mktemp("drain")
-    with two_nodes(root, user_shell) as (env, node):
-        out, when = drained_run(root, env, node)
-    return {"out": out, "when": when, "root": root}
+    with two_nodes(root, user_shell) as (env, node, _):
+        out, when = elastic_run(
+            root, env, "drained", lambda: drain(env, node), "checkpoint.every_n_steps=1000"
+        )
+    return {"out": out, "when": when}
+
+
+@pytest.fixture(scope="module")
+def raylet_killed(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("raylet-kill")
+    with two_nodes(root, user_shell) as (env, node, temp_dir):
+        out, when = elastic_run(
+            root,
+            env,
+            "killed",
+            lambda: kill_raylet(temp_dir, node),
+            "checkpoint.every_n_steps=5",
+            "train.max_failures=2",
+        )
+    return {"out": out, "when": when}
 
 
 def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) -> None:
@@ -147,7 +182,7 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
     # for a worker on the leaving node, and tried no second size.
     assert "could not all be placed" not in out, out
     assert "restart 1 cost" in out and "after redoing 0 step(s)" in out, out
-    sent, gone, back = when["drained"], when[f"step {max(before)}"], when[f"step {min(after)}"]
+    sent, gone, back = when["fault"], when[f"step {max(before)}"], when[f"step {min(after)}"]
     marks = ("preemption notice", "leaving node goes", "reclaimed", "resumed from", "restart 1")
     print("", *[x for x in lines if any(m in x for m in marks)], sep="\n")
     print(
@@ -155,3 +190,18 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
         f"{gone - sent:.1f} s, the first after it at {back - sent:.1f} s "
         f"({back - gone:.1f} s between)"
     )
+
+
+def test_a_node_whose_raylet_died_is_left_out_of_the_restart_at_once(raylet_killed: dict) -> None:
+    """No notice: the workers on the node die with its raylet, and the run restarts from
+    its newest checkpoint (one every 5 steps) with the worker that is left, at its first
+    try, well before Ray's health checks call the node dead."""
+    out = raylet_killed["out"]
+    assert not [x for x in out.splitlines() if not x.startswith(OURS)], out
+    failed = [x for x in out.splitlines() if " failed: " in x]
+    assert len(failed) == 1 and "restarting the workers from " in failed[0], out
+    assert re.search(r"raylift: resumed from \S+ at step \d+ .*2 -> 1 workers", out), out
+    assert "could not all be placed" not in out, out
+    cost = re.search(r"raylift: restart 1 cost .* after redoing (\d+) step\(s\)", out)
+    assert cost and int(cost.group(1)) <= 5, out  # at most the steps since the checkpoint
+    print("", *[x for x in out.splitlines() if " failed: " in x or "restart 1 " in x], sep="\n")

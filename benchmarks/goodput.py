@@ -54,9 +54,12 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
+
+from tests.helpers import raylets_of, stop_ray_of  # noqa: E402  (the suite's own, by pid)
 
 CONFIG = REPO / "configs" / "gpt-tiny.yaml"
 RAY = str(Path(sys.executable).parent / "ray")
@@ -111,41 +114,14 @@ def two_nodes() -> Iterator[Cluster]:
             done = subprocess.run([RAY, *args], env=env, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"ray {args[0]}: {done.stdout[-2000:]}{done.stderr[-2000:]}")
-        while len(raylets(temp_dir)) < 2:
+        while len(raylets_of(temp_dir)) < 2:
             time.sleep(0.5)
         yield Cluster(
-            {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, temp_dir, raylets(temp_dir)[-1][1]
+            {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, temp_dir, raylets_of(temp_dir)[-1][1]
         )
     finally:
-        stop(temp_dir)
+        stop_ray_of(temp_dir, timeout=5.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def raylets(temp_dir: str) -> list[tuple[int, str]]:
-    """(pid, node id) of the Ray in ``temp_dir``'s raylets, oldest first."""
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        node = re.search(r"--node_id=(\w+)", cmdline)
-        if proc.info["name"] == "raylet" and temp_dir in cmdline and node:
-            found.append((proc.info["create_time"], proc.pid, node.group(1)))
-    return [(pid, node) for _, pid, node in sorted(found)]
-
-
-def stop(temp_dir: str) -> None:
-    found = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        if temp_dir in " ".join(proc.info["cmdline"] or []):
-            found.add(proc)
-            with contextlib.suppress(psutil.Error):
-                found.update(proc.children(recursive=True))
-    for proc in found:
-        with contextlib.suppress(psutil.Error):
-            proc.terminate()
-    _, alive = psutil.wait_procs(list(found), timeout=5)
-    for proc in alive:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
 
 
 def kill_a_worker(cluster: Cluster) -> str:
@@ -171,7 +147,7 @@ def drain(cluster: Cluster) -> str:
 
 
 def kill_raylet(cluster: Cluster) -> str:
-    pid = next(pid for pid, node in raylets(cluster.temp_dir) if node == cluster.second)
+    pid = next(pid for pid, node in raylets_of(cluster.temp_dir) if node == cluster.second)
     os.kill(pid, signal.SIGKILL)
     return f"raylet pid {pid} SIGKILLed"
 

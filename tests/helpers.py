@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -405,6 +406,20 @@ def stop_ray_of(temp_dir: str, timeout: float = 15.0) -> int:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     return len(found)
+
+
+def raylets_of(temp_dir: str) -> list[tuple[int, str]]:
+    """(pid, node id) of the raylets of the Ray started with ``--temp-dir=temp_dir``,
+    oldest first: the head's, then each node that joined it."""
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        node = re.search(r"--node_id=(\w+)", cmdline)
+        if proc.info["name"] == "raylet" and temp_dir in cmdline and node:
+            found.append((proc.info["create_time"], proc.pid, node.group(1)))
+    return [(pid, node) for _, pid, node in sorted(found)]
 
 
 # How long a command or a condition may take before the test calls it a hang. Not a

@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
-from tests.helpers import HANG_S, stop_ray_of, wait_until
+from tests.helpers import HANG_S, raylets_of, stop_ray_of, wait_until
 from tests.integration.test_autoscaler import HELD, free_port
 from tests.integration.test_train import OURS
 
@@ -68,17 +67,6 @@ def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str
     finally:
         stop_ray_of(temp_dir, timeout=3.0)
         shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def raylets_of(temp_dir: str) -> list[tuple[int, str]]:
-    """(pid, node id) of the raylets of the Ray in ``temp_dir``, oldest first."""
-    found = []
-    for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
-        node = re.search(r"--node_id=(\w+)", cmdline)
-        if proc.info["name"] == "raylet" and temp_dir in cmdline and node:
-            found.append((proc.info["create_time"], proc.pid, node.group(1)))
-    return [(pid, node) for _, pid, node in sorted(found)]
 
 
 def drain(env: dict[str, str], node: str) -> None:

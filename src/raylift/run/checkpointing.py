@@ -189,13 +189,8 @@ class Leaving:
         if left is None or self.held:
             return False, False
         first, self.noticed = not self.noticed, True
-        if not first and not self.near(left, interval):
-            return False, False
-        return True, self.near(left, interval)
-
-    def near(self, left: float, interval: float) -> bool:
-        """Whether the next interval and another save may not fit before the deadline."""
-        return left <= LAST_SAVE_SAFETY * (self.save_s + interval) + LAST_SAVE_SLACK_S
+        near = left <= LAST_SAVE_SAFETY * (self.save_s + interval) + LAST_SAVE_SLACK_S
+        return first or near, near  # the notice's save; then one when the next may not fit
 
     def saved(self, seconds: float) -> None:
         self.save_s = max(self.save_s, seconds)

@@ -12,8 +12,8 @@ teardown and the next step is this module's:
   still counts there: the restart asks for a worker that cannot be placed (Ray places
   nothing new on a draining node) and waits out the worker-group start timeout, a minute
   by default, before it retries smaller. :func:`reserve_without_leaving` has the
-  coordinator look again now, with the draining nodes left out, before Ray Train sizes
-  the restart.
+  coordinator look again now, with the draining nodes and those whose raylet takes no
+  connection left out, before Ray Train sizes the restart.
 - Ray reports a preemption's restart to no ``UserCallback`` (its workers did not fail):
   :class:`Restarts` gives it the console line and the timing (:mod:`raylift.run.restarts`)
   a failure's restart gets from :class:`raylift.run.faults.FaultReporter`.

@@ -473,26 +473,27 @@ class Trainer:
         with self.clock.phase("sync"):
             self._log_interval(ending)
             left = self.ctx.reporter.leaving_in()
+        self._node_leaving(left)
+
+    def _node_leaving(self, left: float | None) -> None:
+        """A node of the run leaves in ``left`` s (None: none is leaving): the notice's
+        checkpoint, and the last one before the deadline with the wait for Ray's restart."""
         first = not self.leaving.noticed
         save, hold = self.leaving.look(left)
-        if not save:
-            return
-        step = self.state.step
-        if step != self.state.last_ckpt_step:
+        step, started = self.state.step, self.clock.now()
+        if save and step != self.state.last_ckpt_step:
             if first:
                 self.ctx.log(f"raylift: preemption notice: checkpoint at step {step}")
-            started = self.clock.now()
             self.checkpoint(self.last_metrics)
             self.saver.settle(wait=True)  # in storage before the node goes
             self.leaving.saved(self.clock.now() - started)
-            self.clock.pause(self.clock.now() - started)
         if hold and left is not None:
             self.ctx.log(
                 f"raylift: the leaving node goes in {left:.0f} s: checkpoint at step {step} "
                 "saved; waiting for Ray to restart the workers without it"
             )
-            started = self.clock.now()
             self.leaving.hold(left, self.ctx.log)
+        if save:
             self.clock.pause(self.clock.now() - started)
 
     # ------------------------------------------------------------ metrics

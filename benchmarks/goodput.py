@@ -7,8 +7,9 @@ Every run is on a Ray of two nodes on this host, started for it (``ray start --h
 and a second ``ray start --address``, one CPU each, each in this script's temp dir, so
 that a node can be drained or killed), with one worker per node. The job: gpt-tiny
 (``configs/gpt-tiny.yaml``), fp32, elastic (``scaling.num_workers: [1, 2]``), a storage
-checkpoint every 50 steps written asynchronously, ``--steps`` steps, a console line every
-5 steps. The faults, each in a run of its own:
+checkpoint every 50 steps written asynchronously and a memory snapshot every
+``--memory-every`` steps (``checkpoint.memory``; one run without, for comparison),
+``--steps`` steps, a console line every 5 steps. The faults, each in a run of its own:
 
 - none: the reference;
 - a Ray Train worker SIGKILLed ``--after-s`` seconds after each start of training,
@@ -229,9 +230,10 @@ def faulted(
 
 def raylift_run(
     cluster: Cluster, root: Path, name: str, opts: argparse.Namespace,
-    fault: Callable[[], str] | None = None, times: int = 1,
+    fault: Callable[[], str] | None = None, times: int = 1, memory: bool = True,
 ) -> Outcome:  # fmt: skip
-    overrides = [
+    snapshots = [f"checkpoint.memory.every_n_steps={opts.memory_every}"] if memory else []
+    overrides = [*snapshots,
         f"name={name}", f"storage={root / 'runs'}", f"tracking.uri=sqlite:///{root / 'mlflow.db'}",
         "precision=32", "scaling.num_workers=[1,2]", "scaling.cpus_per_worker=1",
         f"train.max_steps={opts.steps}", "train.max_epochs=1000", "train.log_every_n_steps=5",
@@ -280,7 +282,7 @@ def tail(path: Path, proc: subprocess.Popen[str]) -> Iterator[str]:
 
 def bare_run(
     cluster: Cluster, root: Path, name: str, opts: argparse.Namespace,
-    fault: Callable[[], str] | None = None, times: int = 1,
+    fault: Callable[[], str] | None = None, times: int = 1, memory: bool = False,
 ) -> Outcome:  # fmt: skip
     progress = root / f"{name}.progress"
     proc = subprocess.Popen(
@@ -318,26 +320,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--after-s", type=float, default=30.0)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument(
+        "--memory-every",
+        type=int,
+        default=10,
+        help="steps between memory snapshots (checkpoint.memory)",
+    )
+    parser.add_argument(
+        "--runs",
+        nargs="*",
+        default=list(RUNS),
+        choices=list(RUNS),
+        help="which runs (clean, kill and Ray Train alone's two always run)",
+    )
     opts = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="rl-goodput-"))
     where = "a GPU per node" if gpus() else "the CPU (gloo; CUDA wants 2 GPUs here, 1 per node)"
     print(f"goodput under faults on {describe()}, on {where}; gpt-tiny, {opts.steps} steps")
     runs: dict[str, Outcome] = {}
-    plan: list[tuple[str, Any, Callable[[Cluster], Callable[[], str]] | None, int]] = [
-        ("raylift, no fault", raylift_run, None, 1),
-        (f"raylift, a worker SIGKILLed {opts.kills}x", raylift_run,
-         lambda c: lambda: kill_a_worker(c), opts.kills),
-        ("raylift, a node drained (30 s notice)", raylift_run, lambda c: lambda: drain(c), 1),
-        ("raylift, a node's raylet SIGKILLed", raylift_run, lambda c: lambda: kill_raylet(c), 1),
-        ("Ray Train alone, no fault", bare_run, None, 1),
-        (f"Ray Train alone, a worker SIGKILLed {opts.kills}x", bare_run,
-         lambda c: lambda: kill_a_worker(c), opts.kills),
-    ]  # fmt: skip
-    for i, (name, runner, make_fault, times) in enumerate(plan):
+    always = ("clean", "kill", "bare-clean", "bare-kill")  # the table's headline compares them
+    plan = [p for p in RUNS.values() if p[0] in always or p[0] in opts.runs]
+    for i, (key, label, runner, make_fault, kills, memory) in enumerate(plan):
+        name = label.format(kills=opts.kills, every=opts.memory_every)
         with two_nodes() as cluster:
             fault = make_fault(cluster) if make_fault else None
-            runs[name] = runner(cluster, root, f"run{i}", opts, fault, times)
-        o = runs[name]
+            times = opts.kills if kills else 1
+            runs[key] = runner(cluster, root, f"run{i}", opts, fault, times, memory)
+        o = runs[key]
         o.name = name  # the table's label; f"run{i}" was the run's own name
         stalls = [f"{d:.1f} s ({g:.1f} s stop)" for d, g in o.stalls()]
         print(f"{name}: trained {o.train_s:.1f} s; faults {[w for _, w in o.faults]}; "
@@ -348,30 +357,50 @@ def main() -> None:
     report(runs, plan, opts)
 
 
+# key: (label, runner, fault, killed --kills times, with memory snapshots)
+RUNS: dict[str, tuple[str, str, Any, Any, bool, bool]] = {
+    "clean": ("clean", "raylift, no fault", raylift_run, None, False, True),
+    "kill": ("kill", "raylift, a worker SIGKILLed {kills}x", raylift_run,
+             lambda c: lambda: kill_a_worker(c), True, True),
+    "kill-storage": ("kill-storage", "raylift, a worker SIGKILLed {kills}x, storage only",
+                     raylift_run, lambda c: lambda: kill_a_worker(c), True, False),
+    "drain": ("drain", "raylift, a node drained (30 s notice)", raylift_run,
+              lambda c: lambda: drain(c), False, True),
+    "raylet": ("raylet", "raylift, a node's raylet SIGKILLed", raylift_run,
+               lambda c: lambda: kill_raylet(c), False, True),
+    "bare-clean": ("bare-clean", "Ray Train alone, no fault", bare_run, None, False, False),
+    "bare-kill": ("bare-kill", "Ray Train alone, a worker SIGKILLed {kills}x", bare_run,
+                  lambda c: lambda: kill_a_worker(c), True, False),
+}  # fmt: skip
+
+
 def report(runs: dict[str, Outcome], plan: list[Any], opts: argparse.Namespace) -> None:
-    names = [p[0] for p in plan]
-    clean, bare_clean = runs[names[0]], runs[names[4]]
-    rows = [row(runs[n], clean if i < 4 else bare_clean) for i, n in enumerate(names)]
-    kill, bare_kill = runs[names[1]], runs[names[5]]
+    keys = [p[0] for p in plan]
+    clean, bare_clean = runs["clean"], runs["bare-clean"]
+    rows = [row(runs[k], bare_clean if k.startswith("bare") else clean) for k in keys]
+    kill, bare_kill = runs["kill"], runs["bare-kill"]
     ours = sum(d for d, _ in kill.stalls()) / len(kill.faults)
     floor = sum(d for d, _ in bare_kill.stalls()) / len(bare_kill.faults)
     phases = [
-        [n, *[line for line in runs[n].out.splitlines() if line.startswith("raylift: restart ")]]
-        for n in names[1:4]
-    ]
+        [runs[k].name,
+         *[line for line in runs[k].out.splitlines() if line.startswith("raylift: restart ")]]
+        for k in keys if runs[k].restarts
+    ]  # fmt: skip
     save(
         __file__,
         f"goodput under faults: gpt-tiny, {opts.steps} steps, 2 workers on 2 nodes, fp32, "
-        + ("a GPU each" if gpus() else "CPU"),
+        + ("a GPU each" if gpus() else "CPU")
+        + f"; raylift with a memory snapshot every {opts.memory_every} steps unless it says",
         ["run", "training s", "goodput (clean s / this s)", "raylift's goodput", "faults",
          "fault to the next step s", "the stop s", "steps redone", "restores"],
         rows,
         {
             "what": f"a worker SIGKILLed {opts.after_s:.0f} s after each start of training, "
-            f"{opts.kills}x (gpt-tiny): goodput, fault to the next step",
-            "raylift": f"{clean.train_s / kill.train_s:.2f}, {ours:.1f} s",
+            f"{opts.kills}x (gpt-tiny, a memory snapshot every {opts.memory_every} steps): "
+            "goodput, fault to the next step, steps redone",
+            "raylift": f"{clean.train_s / kill.train_s:.2f}, {ours:.1f} s, {kill.redone()}",
             "baseline": f"Ray Train alone {bare_clean.train_s / bare_kill.train_s:.2f}, "
-            f"{floor:.1f} s",
+            f"{floor:.1f} s, {bare_kill.redone()}",
             "ratio": f"{ours - floor:+.1f} s per failure",
         },
         notes="Fault to the next step: from the fault to the first step logged by the group "

@@ -151,6 +151,7 @@ def make_trainer(
     now: Any = None,
     source: Any = None,
     log: Any = None,
+    keepers: Any = None,
 ) -> Trainer:
     """A trainer on in-memory ``data`` (the task's own when not given), or on ``source``."""
     task = build_task(cfg.task, cfg.task_args)
@@ -172,6 +173,7 @@ def make_trainer(
         reporter=reporter,
         tracker=tracker or ListTracker(),
         log=log or (lambda s: None),
+        keepers=keepers,
     )
     if now is not None:
         ctx.now = now

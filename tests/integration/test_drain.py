@@ -3,12 +3,14 @@
 
 - drained for preemption, as a cloud's reclaim notice reaches Ray (``ray drain-node
   --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``). The run saves at
-  the notice, trains on, saves once more before the deadline and waits there; Ray Train
-  tears the group down at the deadline, and the restart is sized without the leaving
-  node at its first try. No step is redone.
+  the notice (to storage and to memory), trains on, saves once more before the deadline
+  and waits there; Ray Train tears the group down at the deadline, and the restart is
+  sized without the leaving node at its first try, and restores from memory. No step is
+  redone.
 - its raylet SIGKILLed, with no notice. Ray calls the node dead only after its health
   checks have failed for a while; the restart is sized without it all the same (its
-  raylet takes no connection), at its first try, from the newest checkpoint.
+  raylet takes no connection), at its first try, from the newest memory snapshot: the
+  lost node's part from the copy its peer (the head) holds.
 
 Each on its own Ray, in its own temp dir, stopped by pid."""
 
@@ -38,6 +40,7 @@ QUICKSTART = REPO / "configs" / "quickstart.yaml"
 DEADLINE_S = 30  # the notice's lead, as a cloud gives it: long enough to train in and save
 RAY = str(Path(sys.executable).parent / "ray")
 STEP = re.compile(r"^epoch\s+\d+\s+step\s+(\d+)")
+SNAPSHOT_EVERY = 2  # steps between memory snapshots in the raylet's case
 
 
 @contextlib.contextmanager
@@ -126,8 +129,9 @@ def drained(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("drain")
     with two_nodes(root, user_shell) as (env, node, _):
         out, when = elastic_run(
-            root, env, "drained", lambda: drain(env, node), "checkpoint.every_n_steps=1000"
-        )
+            root, env, "drained", lambda: drain(env, node), "checkpoint.every_n_steps=1000",
+            "checkpoint.memory.every_n_steps=20",
+        )  # fmt: skip
     return {"out": out, "when": when}
 
 
@@ -140,7 +144,8 @@ def raylet_killed(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) ->
             env,
             "killed",
             lambda: kill_raylet(temp_dir, node),
-            "checkpoint.every_n_steps=5",
+            "checkpoint.every_n_steps=1000",
+            f"checkpoint.memory.every_n_steps={SNAPSHOT_EVERY}",
             "train.max_failures=2",
         )
     return {"out": out, "when": when}
@@ -155,9 +160,12 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
     )
     assert notice and last, out
     resumed = re.search(
-        r"raylift: resumed from \S+checkpoint-step(\d+) at step (\d+) .*2 -> 1 work", out
+        r"raylift: resumed from the run's memory snapshot at step (\d+) .*2 -> 1 work", out
     )
     assert resumed and int(resumed.group(1)) == int(last.group(1)), out
+    # The deadline's save went to storage and to memory: the same step, from memory.
+    assert f"snapshot at step {last.group(1)} is complete on every rank" in out, out
+    assert re.search(r"MiB restored from memory in [\d.]+ s", out), out
     lines = out.splitlines()
     restart = next(i for i, x in enumerate(lines) if x.startswith("raylift: resumed from"))
     before = [int(m.group(1)) for x in lines[:restart] if (m := STEP.match(x))]
@@ -171,7 +179,7 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
     assert "could not all be placed" not in out, out
     assert "restart 1 cost" in out and "after redoing 0 step(s)" in out, out
     sent, gone, back = when["fault"], when[f"step {max(before)}"], when[f"step {min(after)}"]
-    marks = ("preemption notice", "leaving node goes", "reclaimed", "resumed from", "restart 1")
+    marks = ("preemption notice", "leaving node goes", "reclaimed", "from memory", "restart 1")
     print("", *[x for x in lines if any(m in x for m in marks)], sep="\n")
     print(
         f"the drain's timeline, from the drain: the last step before the restart at "
@@ -181,15 +189,27 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
 
 
 def test_a_node_whose_raylet_died_is_left_out_of_the_restart_at_once(raylet_killed: dict) -> None:
-    """No notice: the workers on the node die with its raylet, and the run restarts from
-    its newest checkpoint (one every 5 steps) with the worker that is left, at its first
-    try, well before Ray's health checks call the node dead."""
+    """No notice: the workers on the node die with its raylet, and the run restarts with
+    the worker that is left, at its first try, well before Ray's health checks call the
+    node dead, from its newest memory snapshot (one every 2 steps; storage's every 1000):
+    the lost node's part from its peer's copy."""
     out = raylet_killed["out"]
     assert not [x for x in out.splitlines() if not x.startswith(OURS)], out
     failed = [x for x in out.splitlines() if " failed: " in x]
     assert len(failed) == 1 and "restarting the workers from " in failed[0], out
-    assert re.search(r"raylift: resumed from \S+ at step \d+ .*2 -> 1 workers", out), out
+    assert re.search(r"raylift: resumed from the run's memory snapshot at step \d+ .*2 -> 1 w", out)
+    # Ray places either rank on the second node: its rank's part came from the head's keeper.
+    assert re.search(
+        r"raylift: restored from memory: the memory snapshot at step \d+ is complete on every "
+        r"rank and newer than storage's step -1; rank\(s\) \[\d\] from the copy on their peer node",
+        out,
+    ), out
     assert "could not all be placed" not in out, out
-    cost = re.search(r"raylift: restart 1 cost .* after redoing (\d+) step\(s\)", out)
-    assert cost and int(cost.group(1)) <= 5, out  # at most the steps since the checkpoint
-    print("", *[x for x in out.splitlines() if " failed: " in x or "restart 1 " in x], sep="\n")
+    cost = re.search(
+        r"raylift: restart 1 cost .* from memory .* after redoing (\d+) step\(s\)", out
+    )
+    # At most the steps since the newest snapshot complete on every rank: the one on its
+    # way at the kill may not be.
+    assert cost and int(cost.group(1)) <= 2 * SNAPSHOT_EVERY, out
+    marks = (" failed: ", "restart 1 ", "from memory")
+    print("", *[x for x in out.splitlines() if any(m in x for m in marks)], sep="\n")

@@ -22,11 +22,15 @@ def test_each_phase_is_the_time_between_its_marks_and_the_steps_redone_are_count
         "restart/first_step_s": 0.5,
         "restart/recovered_s": 9.0,  # death -> back at step 30
         "restart/steps_redone": 10.0,
+        "restart/from_memory": 0.0,  # the state came from storage
     })  # fmt: skip
     line = phases.line(2)
     assert line.startswith("restart 2 cost 9.0 s: the worker group was up 4.0 s after")
     assert "476.8 MiB restored from storage in 0.5 s (1.00 GB/s)" in line
     assert line.endswith("back at step 30 after redoing 10 step(s)")
+    phases.restore_source = "memory"
+    assert phases.metrics()["restart/from_memory"] == 1.0
+    assert "476.8 MiB restored from memory in 0.5 s (1.00 GB/s)" in phases.line(2)
 
 
 def test_a_restart_without_a_checkpoint_says_it_started_over() -> None:

@@ -228,12 +228,27 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class MemorySnapshotConfig:
+    """Snapshots of the run's state held in the cluster's memory (raylift.run.snapshots)."""
+
+    every_n_steps: int = 10  # a snapshot of every rank's part this often
+    keep: int = 2  # the newest snapshots each node's keeper holds
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "every_n_steps", "checkpoint.memory")
+        return out + _positive(self, "keep", "checkpoint.memory")
+
+
+@dataclasses.dataclass
 class CheckpointConfig:
     every_n_steps: int | None = 200  # null: a checkpoint at the run's end only
     keep: int | None = 3  # newest checkpoints kept; null: all
     # the loop stops only to write each rank's part to local disk; checksums and the upload
     # to storage go on while it trains (one save in flight at a time); false: it waits
     async_: bool = dataclasses.field(default=True, metadata={"key": "async"})
+    # each rank's part kept in the memory of its node and of one other as well, more often
+    # than storage takes it: a restart restores from there when it is newer; null: off
+    memory: MemorySnapshotConfig | None = None
 
     def problems(self) -> list[str]:
         out: list[str] = []
@@ -241,7 +256,7 @@ class CheckpointConfig:
             out.append("checkpoint.every_n_steps: must be >= 1, or null for end-of-run only")
         if self.keep is not None and self.keep < 1:
             out.append("checkpoint.keep: must be >= 1, or null to keep every checkpoint")
-        return out
+        return out + (self.memory.problems() if self.memory else [])
 
 
 LOG_MODEL = ("final", "best", "none")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from raylift.core import storage
-from raylift.run.context import WorkerContext
+from raylift.run.context import WorkerContext, gather
 from raylift.strategies.base import Engine, Write
 from raylift.tensors.checkpoints import (
     FORMAT,
@@ -119,7 +119,7 @@ class Checkpointer:
         except CheckpointError as exc:
             reader, saved, problem = None, {}, str(exc)
         agree(problem)
-        read = self.bytes_read = self._all_ranks(reader.read if reader else 0)
+        read = self.bytes_read = sum(gather(self.ctx.world_size, reader.read if reader else 0))
         total = sum(f.size for f in reader.files.values()) if reader else 0
         seconds = time.perf_counter() - started  # the slowest rank's: the gather waited for it
         self.ctx.log(
@@ -128,15 +128,6 @@ class Checkpointer:
             f"GB/s, {self.ctx.world_size} ranks together)"
         )
         return saved
-
-    def _all_ranks(self, n: int) -> int:
-        if self.ctx.world_size == 1:
-            return n
-        import torch.distributed as dist
-
-        counts: list[int] = [0] * self.ctx.world_size
-        dist.all_gather_object(counts, n)  # any backend's group, no tensor on a device
-        return sum(counts)
 
     def record_restart(self, directory: str, state: LoopState, saved_world: int) -> None:
         """One ``restarts`` metric and one tag per resume, and a line that says from where."""

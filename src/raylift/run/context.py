@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -41,6 +41,19 @@ class Reporter(Protocol):
         given), by rank 0's clock: every rank gets the same number.
 
         Called by every rank at the same points (on Ray it is a barrier)."""
+        ...
+
+
+class MemoryKeepers(Protocol):
+    """The run's memory snapshots, as a rank hands its parts over (raylift.run.snapshots)."""
+
+    def send(self, step: int, folder: Path) -> int:
+        """This rank's part of the snapshot at ``step`` (the files under ``folder``) to its
+        keepers; returns its bytes once they hold it."""
+        ...
+
+    def where(self) -> str:
+        """Where the parts are held, in words."""
         ...
 
 
@@ -115,3 +128,17 @@ class WorkerContext:
     heartbeat: Callable[[], None] = lambda: None
     # Rank 0 on Ray: its progress for the tracking actor, a restart's phases (run.restarts).
     restarts: RestartWatch | None = None
+    # The run's memory snapshots (checkpoint.memory on Ray); None: storage checkpoints only.
+    keepers: MemoryKeepers | None = None
+
+
+def gather(world: int, value: Any) -> list[Any]:
+    """Collective: every rank's ``value``, in rank order (an object gather: any backend,
+    no tensor on a device)."""
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out

@@ -39,8 +39,9 @@ class FaultReporter(UserCallback):
         tracking: Any = None,
         run_log: str | None = None,
         run_id: str | None = None,
+        memory: bool = False,
     ):
-        self.max_failures, self.run_dir = max_failures, run_dir
+        self.max_failures, self.run_dir, self.memory = max_failures, run_dir, memory
         self.tracking, self.run_log, self.run_id = tracking, run_log, run_id
         self.failures = 0
 
@@ -58,7 +59,8 @@ class FaultReporter(UserCallback):
         if crash is not None:
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
-        print(describe(worker_exceptions, self.failures, self.max_failures, start, how), flush=True)
+        failures = (self.failures, self.max_failures)
+        print(describe(worker_exceptions, *failures, start, how, self.memory), flush=True)
 
 
 # faulthandler's first line names the signal in words (Python's own format).
@@ -203,8 +205,10 @@ def describe(
     max_failures: int,
     checkpoint: str | None,
     how: str | None = None,
+    memory: bool = False,
 ) -> str:
-    """The failure's one line; ``how``: a crash's account (:meth:`Crash.how`), else Ray's."""
+    """The failure's one line; ``how``: a crash's account (:meth:`Crash.how`), else Ray's;
+    ``memory``: the run keeps memory snapshots, which the restart may start from instead."""
     rank, exc = primary(exceptions)
     what, node = cause(exc)
     what = how or what
@@ -213,6 +217,8 @@ def describe(
     if left:
         limit = ", no limit" if max_failures < 0 else f" of {max_failures}"
         start = checkpoint or "step 0 (no checkpoint was written yet)"
+        if memory:
+            start += " or a newer memory snapshot"
         then = f"restarting the workers from {start} (restart {failures}{limit})"
     else:
         then = f"no restarts left (train.max_failures: {max_failures}): the run fails"

@@ -40,6 +40,7 @@ from raylift.run.failures import (
 from raylift.run.faults import FaultReporter
 from raylift.run.leaving import Restarts
 from raylift.run.probe import ProbeSettings
+from raylift.run.snapshots import end_keepers, start_keepers
 from raylift.run.worker import SHARED_MARKER, SPEC_KEY, RunSpec, run_id_of, worker_main
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import checkpoint_dirs
@@ -104,6 +105,7 @@ def build_torch_trainer(
         spec.tracking,
         str(log) if log else None,
         spec.run_id,
+        memory=spec.keepers is not None,
     )
     sc = cfg.scaling
     restarts: Any = Restarts(storage.join(where, cfg.name), spec.tracking, spec.run_id, sc.elastic)
@@ -264,9 +266,15 @@ def _train(
         opened = open_run(store, cfg, where, resume, tags, manifest, recorded)
         startup.mark("mlflow")
         shared = shared_marker(where, cfg.name)
-        spec = RunSpec(cfg, manifest.root, opened, uri, service, cache, probe, startup, shared)
+        keepers = start_keepers(cfg)  # ended with the run, or with this process
+        spec = RunSpec(
+            cfg, manifest.root, opened, uri, service, cache, probe, startup, shared, keepers
+        )
         fit_started = time.time()
-        result = fit(build_torch_trainer(cfg, where, spec, callbacks), spec, store)
+        try:
+            result = fit(build_torch_trainer(cfg, where, spec, callbacks), spec, store)
+        finally:
+            end_keepers(keepers)
         run_id = run_id_of(spec)
         ckpt, metrics = closing_metrics(result, where, store, run_id, fit_started)
         log_goodput(service, store, run_id, int(metrics.get("step", 0)), log)

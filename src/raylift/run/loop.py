@@ -268,9 +268,10 @@ class Trainer:
             "metrics": self.last_metrics,
         }
 
-    def restore(self, directory: str | Path) -> None:
+    def restore(self, directory: str | Path, memory: tuple[int, int] | None = None) -> None:
         """Resume from a checkpoint folder, local or a URI (read where it is, each rank
-        reading its own part)."""
+        reading its own part); ``memory``: the folder is the memory snapshot at that step,
+        fetched from its keepers (that many bytes by every rank together)."""
         directory = str(directory)
         watch = self.ctx.restarts
         if watch is not None:
@@ -284,12 +285,14 @@ class Trainer:
         self.scheduler.load_state_dict(saved["scheduler"])
         self.last_metrics = dict(saved.get("metrics", {}))
         if watch is not None:
-            watch.restored(self.state.step, self.checkpointer.bytes_read)
+            nbytes = memory[1] if memory else self.checkpointer.bytes_read
+            watch.restored(self.state.step, nbytes, "memory" if memory else "storage")
         # Numbered by the run, not the checkpoint: two resumes from one checkpoint (a node
         # lost before the resized group saved) are two restarts, each with its own tag.
         self.state.restarts = max(self.state.restarts, self.ctx.tracker.restarts()) + 1
+        where = "the run's memory snapshot" if memory else directory
         self.checkpointer.record_restart(
-            directory, self.state, saved.get("world_size", self.ctx.world_size)
+            where, self.state, saved.get("world_size", self.ctx.world_size)
         )
         if self._finished():
             self.ctx.log(
@@ -435,9 +438,11 @@ class Trainer:
             self.ctx.probe.after_step(self.view)
         if train_cfg.eval_every_n_steps and step % train_cfg.eval_every_n_steps == 0:
             self._evaluate_and_report()
-        every = self.cfg.checkpoint.every_n_steps
-        if every and step % every == 0 and step != self.state.last_ckpt_step:
-            self.checkpoint(self.last_metrics)
+        every, memory = self.cfg.checkpoint.every_n_steps, self.cfg.checkpoint.memory
+        to_storage = bool(every and step % every == 0 and step != self.state.last_ckpt_step)
+        to_memory = self.ctx.keepers is not None and memory and step % memory.every_n_steps == 0
+        if to_storage or to_memory:
+            self.checkpoint(self.last_metrics, to_storage)
 
     def _after_restart_step(self, step: int) -> None:
         """Rank 0's progress to the tracking actor; a restart's phases once it is back."""
@@ -579,9 +584,13 @@ class Trainer:
         self.ctx.reporter.report(metrics)
         self.clock.pause(self.clock.now() - started)
 
-    def checkpoint(self, metrics: dict[str, float]) -> None:
+    def checkpoint(self, metrics: dict[str, float], to_storage: bool = True) -> None:
+        """A checkpoint to storage (``to_storage``) and, with the run's memory, a snapshot
+        there too: both from one copy of the state."""
         started = self.clock.now()
         self._check_finite()  # never overwrite the last good checkpoint with broken weights
-        self.state.last_ckpt_step = self.state.step
-        self.saver.save(self.state.step, self.loop_state(), metrics)
+        if to_storage:
+            self.state.last_ckpt_step = self.state.step
+        to_memory = self.ctx.keepers is not None
+        self.saver.save(self.state.step, self.loop_state(), metrics, to_storage, to_memory)
         self.clock.pause(self.clock.now() - started)

@@ -40,6 +40,7 @@ class Phases:
     restore_started: float | None = None
     restored: float | None = None
     restore_bytes: int = 0
+    restore_source: str = "storage"  # or "memory": the run's keepers (raylift.run.snapshots)
     first_step: float | None = None
     back: float | None = None
 
@@ -51,6 +52,7 @@ class Phases:
             "restart/build_s": start - self.group_up,
             "restart/restore_s": done - start,
             "restart/steps_redone": float(max(0, self.fault.step - self.resumed_step)),
+            "restart/from_memory": float(self.restore_source == "memory"),
         }
         if self.restore_bytes and done > start:
             out["restart/restore_gbps"] = self.restore_bytes / (done - start) / 1e9
@@ -63,7 +65,7 @@ class Phases:
     def line(self, restart: int) -> str:
         m = self.metrics()
         restored = (
-            f"{self.restore_bytes / 2**20:,.1f} MiB restored from storage in "
+            f"{self.restore_bytes / 2**20:,.1f} MiB restored from {self.restore_source} in "
             f"{m['restart/restore_s']:.1f} s ({m.get('restart/restore_gbps', 0.0):.2f} GB/s)"
             if self.restored is not None
             else "no checkpoint to restore (started over)"
@@ -89,13 +91,14 @@ class RestartWatch:
         self._told = 0.0
 
     def restoring(self) -> None:
-        if self.phases is not None:
+        """The restore begins (a memory restore's fetch, then the load: the first call)."""
+        if self.phases is not None and self.phases.restore_started is None:
             self.phases.restore_started = time.time()
 
-    def restored(self, step: int, nbytes: int) -> None:
+    def restored(self, step: int, nbytes: int, source: str = "storage") -> None:
         if self.phases is not None:
             self.phases.restored, self.phases.resumed_step = time.time(), step
-            self.phases.restore_bytes = nbytes
+            self.phases.restore_bytes, self.phases.restore_source = nbytes, source
 
     def after_step(self, step: int) -> Phases | None:
         """The restart's phases, once: when the run is back at the step it had reached."""

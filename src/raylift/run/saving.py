@@ -23,7 +23,7 @@ from typing import Any
 
 from raylift.core import storage
 from raylift.run.checkpointing import write_checkpoint
-from raylift.run.context import WorkerContext
+from raylift.run.context import MemoryKeepers, WorkerContext, gather
 from raylift.strategies.base import Engine, Write
 from raylift.tensors.checkpoints import CheckpointError, seal_checkpoint
 
@@ -46,24 +46,45 @@ class Save:
     done_s: float | None = None  # seconds from start until this rank's part was in storage
     error: BaseException | None = None
     thread: threading.Thread | None = None
+    to_storage: bool = True  # False: a memory snapshot alone
+    keepers: MemoryKeepers | None = None  # the run's memory, where it takes this one too
+    held: bool = False  # this rank's part is with its keepers
+    memory_error: BaseException | None = None  # why not: never the run's end
 
     def upload(self, rank: int) -> None:
-        """Write this rank's part, checksum it and copy it to storage, its completion
-        list last."""
+        """Write this rank's part, checksum it, hand it to the keepers and copy it to
+        storage, its completion list last."""
         try:
             assert self.write is not None
             items = self.write()
             self.write = None  # the host copy is freed once written
             self.part = storage.bytes_under(self.folder)
             listing = seal_checkpoint(self.folder, items)
-            with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
-                storage.upload_folder(self.folder, self.dest)
-                storage.write_text(storage.join(self.dest, f"complete-rank{rank}.json"), listing)
+            if self.keepers is not None:
+                self._to_memory(rank, listing)
+            if self.to_storage:
+                with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
+                    storage.upload_folder(self.folder, self.dest)
+                    storage.write_text(storage.join(self.dest, _done(rank)), listing)
             self.done_s = time.perf_counter() - self.started
         except BaseException as exc:  # raised in the training thread when the ranks settle
             self.error = exc
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _to_memory(self, rank: int, listing: str) -> None:
+        """The part with its completion list to the keepers; a keeper lost on the way
+        costs this snapshot, not the run (storage checkpoints go on)."""
+        assert self.keepers is not None
+        done = self.folder / _done(rank)
+        done.write_text(listing)
+        try:
+            self.keepers.send(self.step, self.folder)
+            self.held = True
+        except Exception as exc:
+            self.memory_error = exc
+        finally:
+            done.unlink()  # an upload to storage sends the list last, on its own
 
     def finished(self) -> bool:
         return self.thread is None or not self.thread.is_alive()
@@ -78,9 +99,18 @@ class Saver:
         self.engine, self.ctx, self.background = engine, ctx, background
         self.pending: Save | None = None
         self.last_part = 0  # bytes of this rank's part of the last save
+        self.snapshots = 0  # memory snapshots every rank's keepers hold
 
-    def save(self, step: int, loop_state: dict[str, Any], metrics: dict[str, float]) -> None:
-        """Collective: every rank takes its part and starts writing it."""
+    def save(
+        self,
+        step: int,
+        loop_state: dict[str, Any],
+        metrics: dict[str, float],
+        to_storage: bool = True,
+        to_memory: bool = False,
+    ) -> None:
+        """Collective: every rank takes its part and starts writing it: to storage, to
+        the run's memory (``ctx.keepers``: ``to_memory``), or both from one copy."""
         started = time.perf_counter()
         self.settle(wait=True)  # one save in flight: this one waits for the one before
         waited = time.perf_counter() - started
@@ -93,11 +123,15 @@ class Saver:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         name = f"checkpoint-step{step:08d}"
-        job = Save(name, step, {**metrics, "step": float(step)}, folder, write,
-                   self.ctx.reporter.destination(name), started)  # fmt: skip
+        if not to_storage:
+            name = f"memory snapshot at step {step}"
+        dest = self.ctx.reporter.destination(name) if to_storage else ""
+        keepers = self.ctx.keepers if to_memory else None
+        job = Save(name, step, {**metrics, "step": float(step)}, folder, write, dest, started,
+                   to_storage=to_storage, keepers=keepers)  # fmt: skip
         if self.background:
             job.thread = threading.Thread(
-                target=job.upload, args=(rank,), name=f"raylift-upload-{name}", daemon=True
+                target=job.upload, args=(rank,), name=f"raylift-upload-step{step}", daemon=True
             )
             job.thread.start()
         else:
@@ -113,7 +147,7 @@ class Saver:
         # The last part's size once there is one; before, what this rank holds.
         held = self.engine.model_state_bytes()
         need = self.last_part or held.get("params", 0) + held.get("optimizer", 0)
-        problems = [p for p in self._gather(self._room_problem(folder, need)) if p]
+        problems = [p for p in gather(self.ctx.world_size, self._room_problem(folder, need)) if p]
         if problems:
             raise storage.StorageError(problems[0])
 
@@ -149,20 +183,42 @@ class Saver:
             return
         if wait and job.thread is not None:
             job.thread.join()
-        states = self._gather((job.finished(), job.done_s, _said(job.error), job.part))
+        said = (job.finished(), job.done_s, _said(job.error), job.part, job.held)
+        states = gather(self.ctx.world_size, said)
         if not all(done for done, *_ in states):
             return
         self.pending = None
         self.last_part = job.part
-        job.written = sum(part for *_, part in states)
-        failed = [(r, said) for r, (_, _, said, _) in enumerate(states) if said]
+        job.written = sum(state[3] for state in states)
+        failed = [(r, said) for r, (_, _, said, _, _) in enumerate(states) if said]
         if job.error is not None:
             raise job.error
         if failed:
             rank, said = failed[0]
             raise CheckpointError(f"rank {rank} could not save {job.name}: {said}")
-        self.ctx.reporter.register(job.metrics, job.name)
-        self._record(job, max(s for _, s, _, _ in states if s is not None))
+        save_s = max(state[1] for state in states if state[1] is not None)
+        if job.keepers is not None:
+            self._held(job, all(state[4] for state in states), save_s)
+        if job.to_storage:
+            self.ctx.reporter.register(job.metrics, job.name)
+            self._record(job, save_s)
+
+    def _held(self, job: Save, everywhere: bool, save_s: float) -> None:
+        """A memory snapshot whose parts every rank handed over: logged, and said on the
+        console the first time (and whenever one is not kept)."""
+        if not everywhere:
+            said = _said(job.memory_error) or "another rank's keeper did not take its part"
+            self.ctx.log(f"raylift: the memory snapshot at step {job.step} is not kept ({said})")
+            return
+        self.snapshots += 1
+        metrics = {"snapshot_blocked_s": job.blocked, "snapshot_s": save_s}
+        self.ctx.tracker.log_metrics({**metrics, "snapshot_bytes": float(job.written)}, job.step)
+        if self.snapshots == 1 and job.keepers is not None:
+            self.ctx.log(
+                f"raylift: memory snapshot at step {job.step}: {job.written / 2**20:,.1f} MiB "
+                f"held on {job.keepers.where()} {save_s:.2f} s after it began; training "
+                f"stopped {job.blocked:.2f} s for it (then every checkpoint.memory.every_n_steps)"
+            )
 
     def _record(self, job: Save, save_s: float) -> None:
         metrics = {
@@ -178,17 +234,6 @@ class Saver:
             + _queued(job)
         )
 
-    def _gather(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order (an object gather: any backend, no device)."""
-        world = self.ctx.world_size
-        if world == 1:
-            return [value]
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, value)
-        return out
-
 
 def _queued(job: Save) -> str:
     """What the console adds where most of a save's stop was the save before it: the
@@ -199,6 +244,10 @@ def _queued(job: Save) -> str:
         f" ({job.waited:.2f} s of it waiting for the save before: checkpoints come faster "
         "than the storage takes them; raise checkpoint.every_n_steps)"
     )
+
+
+def _done(rank: int) -> str:
+    return f"complete-rank{rank}.json"
 
 
 def _said(error: BaseException | None) -> str | None:

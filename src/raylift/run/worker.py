@@ -20,14 +20,16 @@ from raylift.core.config import Config, EnvironmentProblem
 from raylift.core.startup import PREFIX, Startup, process_start
 from raylift.data.ingest import ObjectStoreStore, ParquetStore, ShardSource
 from raylift.data.manifest import read_manifest
-from raylift.run.context import NullTracker, WorkerContext
+from raylift.run.context import NullTracker, WorkerContext, gather
 from raylift.run.faults import own_stderr
 from raylift.run.loop import Trainer
 from raylift.run.probe import DoctorProbe, ProbeSettings
 from raylift.run.restarts import RestartWatch
+from raylift.run.snapshots import Snapshots, remove, scratch_for
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import (
     CheckpointError,
+    agree_across,
     check_listing,
     checkpoint_dirs,
     checkpoint_step,
@@ -56,6 +58,7 @@ class RunSpec:
     # A local storage folder: the token of the marker the driver wrote there, which every
     # worker must see (its node shares the folder); None for an object store.
     shared_token: str | None = None
+    keepers: Any = None  # the run's KeeperSet (checkpoint.memory: raylift.run.snapshots)
 
 
 def worker_main(loop_config: dict[str, Any]) -> None:
@@ -163,11 +166,27 @@ def build_trainer(
         startup=spec.startup,
         heartbeat=register_process(spec.tracking, rank),
         restarts=restarts,
+        keepers=_snapshots(spec, rank, world),
     )
     trainer = Trainer(cfg, task, ctx)
+    if isinstance(ctx.keepers, Snapshots):  # refused before any step where a node cannot hold them
+        ctx.keepers.check_room(cfg, trainable_count(trainer.engine.eval_model))
     if spec.startup is not None:
         spec.startup.mark("build")
     return trainer
+
+
+def _snapshots(spec: RunSpec, rank: int, world: int) -> Snapshots | None:
+    memory = spec.config.checkpoint.memory
+    if spec.keepers is None or memory is None:
+        return None
+    return Snapshots(spec.keepers, rank, world, memory.every_n_steps)
+
+
+def trainable_count(module: Any) -> int:
+    """Trainable parameters of the whole model, whatever shards it: a DTensor counts its
+    global size, a ZeRO-3 parameter its ``ds_numel``; a tied weight once."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters() if p.requires_grad)
 
 
 def register_process(tracking: Any, rank: int) -> Any:
@@ -227,7 +246,47 @@ def resume(trainer: Any, cfg: Config) -> None:
     log = trainer.ctx.log
     run_dir = storage.join(cfg.storage, cfg.name)  # resolved by the driver
     found = _newest(run_dir, log, newest_complete(run_dir, log, check_listing))
+    keepers = trainer.ctx.keepers
+    if isinstance(keepers, Snapshots) and from_memory(trainer, keepers, found):
+        return
     restore_newest(trainer, run_dir, found)
+    if isinstance(keepers, Snapshots):
+        keepers.forget_after(trainer.state.step)
+
+
+def from_memory(trainer: Any, keepers: Snapshots, found: str | None) -> bool:
+    """Restore from the run's newest memory snapshot where one is complete on every rank
+    and at least as new as storage's ``found``; False (and why, once) otherwise. Collective."""
+    choice, why = keepers.find(checkpoint_step(found) if found else -1)
+    if choice is None:
+        if found is not None or "none was taken" not in why:
+            trainer.ctx.log(f"raylift: restoring from storage: {why}")
+        return False
+    if trainer.ctx.restarts is not None:
+        trainer.ctx.restarts.restoring()  # the fetch is part of the restore
+    folder = scratch_for(choice.step)
+    try:
+        fetched = _fetch(trainer, keepers, choice, folder)
+        trainer.restore(folder, memory=(choice.step, fetched))
+    except CheckpointError as exc:
+        trainer.ctx.log(f"raylift: restoring from storage: the memory snapshot failed ({exc})")
+        return False
+    finally:
+        remove(folder)
+    trainer.ctx.log(f"raylift: restored from memory: {why}")
+    keepers.forget_after(choice.step)
+    return True
+
+
+def _fetch(trainer: Any, keepers: Snapshots, choice: Any, folder: Any) -> int:
+    """Collective: every rank's copy of the snapshot's parts, or every rank raises."""
+    agree, fetched, problem = agree_across(trainer.ctx.world_size), 0, None
+    try:
+        fetched = keepers.fetch(choice, folder)
+    except Exception as exc:  # a keeper lost since it was asked: storage it is
+        problem = f"a keeper holding it is gone ({type(exc).__name__}: {exc})"
+    agree(problem)
+    return sum(gather(trainer.ctx.world_size, fetched))
 
 
 def restore_newest(trainer: Any, run_dir: str, found: str | None) -> None:

@@ -29,6 +29,8 @@ from typing import Any
 from raylift.core import storage
 from raylift.core.config import Config, ConfigError
 from raylift.run.context import gather
+from raylift.run.leaving import silent
+from raylift.run.plan import optimizer_slots
 
 # A keeper that does not say what it holds within this long is passed over at a restart:
 # its node is gone or going (Ray calls a node dead only after half a minute of silence).
@@ -195,8 +197,6 @@ def reachable(keepers: dict[str, Any]) -> dict[str, Any]:
     """The keepers on nodes Ray calls alive whose raylet still takes a connection."""
     import ray
 
-    from raylift.run.leaving import silent
-
     alive = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] in keepers]
     nodes = {n["NodeID"] for n in alive} - silent(alive)
     return {node: keepers[node] for node in nodes}
@@ -306,8 +306,6 @@ class Snapshots:
 def snapshot_bytes(cfg: Config, trainable: int) -> int:
     """About the bytes of one snapshot of every rank: the trainable weights and their
     optimizer state, in fp32 (a frozen base is never in it)."""
-    from raylift.run.plan import optimizer_slots
-
     return trainable * 4 * (1 + optimizer_slots(cfg))
 
 

@@ -61,7 +61,7 @@ def connect(address: str) -> None:
 def snapshots(name: str, rank: int, world: int) -> Snapshots:
     import ray
 
-    return Snapshots(ray.get_actor(f"keepers-{name}"), rank, world, every=5)
+    return Snapshots(ray.get_actor(f"keepers-{name}"), rank, world)
 
 
 def train_into_memory(rank: int, world: int, runs: dict, address: str, out: str) -> None:

@@ -524,6 +524,30 @@ def test_a_handled_fault_is_one_line_naming_rank_node_cause_checkpoint_and_resta
     )
     first = describe({1: died()}, 1, -1, None)
     assert first.endswith("from step 0 (no checkpoint was written yet) (restart 1, no limit)")
+    # A node's raylet killed: no process is reported dead yet, rank 0's collective broke.
+    lost = (
+        "node 10.0.3.8 stopped answering (its raylet takes no connection) with worker "
+        "rank(s) [1] on it"
+    )
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [10.0.3.8]:4535")
+    line = describe({0: gloo}, 1, 2, None, memory=True, lost=lost)
+    assert line == (
+        f"raylift: {lost}; worker rank 0 failed with it (RuntimeError: [pair.cc:553] "
+        "Connection closed by peer [10.0.3.8]:4535); restarting the workers from step 0 (no "
+        "checkpoint was written yet) or a newer memory snapshot (restart 1 of 2)"
+    )
+
+
+def test_the_tracking_actor_knows_which_ranks_ran_on_a_node_by_their_newest_process() -> None:
+    from raylift.artifacts.tracking_service import Store
+
+    store = Store("sqlite:///unused.db")
+    for actor, rank, node in [("a0", 0, "n1"), ("a1", 1, "n2"), ("b0", 0, "n2"), ("b1", 1, "n1")]:
+        store.worker_started(actor, {"rank": rank, "node_id": node, "ip": f"ip-{node}"})
+    # After a restart the ranks swapped nodes: the newest process of each rank counts.
+    assert store.ranks_on(["n2"]) == {0: "ip-n2"}
+    assert store.ranks_on(["n1", "n2"]) == {0: "ip-n2", 1: "ip-n1"}
+    assert store.ranks_on(["n3"]) == {}
 
 
 def test_what_killed_processes_left_in_the_temp_folder_is_removed_with_the_bytes_freed(

@@ -104,6 +104,11 @@ class Store:
         same = [r for r in self._workers.values() if r["rank"] == rank]
         return same[-1] if same else None
 
+    def ranks_on(self, node_ids: list[str]) -> dict[int, str]:
+        """The ranks whose newest process ran on one of ``node_ids``, with its address."""
+        newest = {r["rank"]: r for r in self._workers.values()}  # in the order they started
+        return {k: r["ip"] for k, r in newest.items() if r["node_id"] in node_ids}
+
     # Restarts (raylift.run.restarts): rank 0's progress, each failure the controller
     # reported, each restart's lost time; the driver asks for the run's goodput at the end.
     def progress(self, run_id: str, step: int, at: float) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from ray.train import UserCallback
 
 from raylift.core import console
+from raylift.run.leaving import silent
 from raylift.tensors.checkpoints import newest_written
 
 _EXIT = re.compile(r"Worker exit type: (\w+) Worker exit detail: ([^.]*)")
@@ -59,8 +60,10 @@ class FaultReporter(UserCallback):
         if crash is not None:
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
+        lost = None if died(exc) else lost_node(self.tracking)
         failures = (self.failures, self.max_failures)
-        print(describe(worker_exceptions, *failures, start, how, self.memory), flush=True)
+        said = describe(worker_exceptions, *failures, start, how, self.memory, lost)
+        print(said, flush=True)
 
 
 # faulthandler's first line names the signal in words (Python's own format).
@@ -73,6 +76,7 @@ FAULT_SIGNALS = {
 }
 _FAULT = re.compile(r"^Fatal Python error: ([A-Za-z][A-Za-z -]*)", re.M)
 TAIL_LINES = 20
+LOOKUP_TIMEOUT_S = 5.0  # for the tracking actor's record of where each rank ran
 
 
 @dataclasses.dataclass
@@ -206,13 +210,24 @@ def describe(
     checkpoint: str | None,
     how: str | None = None,
     memory: bool = False,
+    lost: str | None = None,
 ) -> str:
     """The failure's one line; ``how``: a crash's account (:meth:`Crash.how`), else Ray's;
-    ``memory``: the run keeps memory snapshots, which the restart may start from instead."""
+    ``memory``: the run keeps memory snapshots, which the restart may start from instead;
+    ``lost``: the node that stopped answering (:func:`lost_node`), which caused it."""
     rank, exc = primary(exceptions)
     what, node = cause(exc)
     what = how or what
     where = f" on node {node}" if node else ""
+    then = _then(failures, max_failures, checkpoint, memory)
+    others = len(exceptions) - 1
+    also = f", {others} other rank(s) failed with it" if others else ""
+    if lost:
+        return f"raylift: {lost}; worker rank {rank} failed with it ({what}){also}; {then}"
+    return f"raylift: worker rank {rank}{where} failed: {what}{also}; {then}"
+
+
+def _then(failures: int, max_failures: int, checkpoint: str | None, memory: bool) -> str:
     left = max_failures < 0 or failures <= max_failures
     if left:
         limit = ", no limit" if max_failures < 0 else f" of {max_failures}"
@@ -222,9 +237,33 @@ def describe(
         then = f"restarting the workers from {start} (restart {failures}{limit})"
     else:
         then = f"no restarts left (train.max_failures: {max_failures}): the run fails"
-    others = len(exceptions) - 1
-    also = f", {others} other rank(s) failed with it" if others else ""
-    return f"raylift: worker rank {rank}{where} failed: {what}{also}; {then}"
+    return then
+
+
+def lost_node(tracking: Any) -> str | None:
+    """Where no worker's process is known to have died: a node of the run whose raylet
+    takes no connection (killed, its host gone), with the ranks it ran, from what the
+    workers told the tracking actor. Ray calls such a node dead only after its health
+    checks have failed for about half a minute; the surviving ranks' broken collectives
+    reach the controller first, and alone they name only a peer that went away."""
+    import ray
+
+    if tracking is None:
+        return None
+    gone = silent([n for n in ray.nodes() if n.get("Alive")])
+    if not gone:
+        return None
+    try:
+        ranks = ray.get(tracking.ranks_on.remote(sorted(gone)), timeout=LOOKUP_TIMEOUT_S)
+    except Exception:  # the tracking actor's node is gone too: Ray's account only
+        return None
+    if not ranks:
+        return None
+    ips = ", ".join(sorted(set(ranks.values())))
+    return (
+        f"node {ips} stopped answering (its raylet takes no connection) with worker "
+        f"rank(s) {sorted(ranks)} on it"
+    )
 
 
 def primary(exceptions: dict[int, Any]) -> tuple[int, Any]:

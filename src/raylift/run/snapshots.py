@@ -221,10 +221,10 @@ def catalog(keepers: dict[str, Any]) -> Held:
 class Snapshots:
     """A rank's side of the run's memory snapshots. Made by every rank together."""
 
-    def __init__(self, keepers: Any, rank: int, world: int, every: int):
+    def __init__(self, keepers: Any, rank: int, world: int):
         import ray
 
-        self.keepers, self.rank, self.world, self.every = keepers, rank, world, every
+        self.keepers, self.rank, self.world = keepers, rank, world
         self.node = ray.get_runtime_context().get_node_id()
         self.nodes = gather(world, self.node)  # each rank's
         self.peer = peer_of(self.nodes, rank)

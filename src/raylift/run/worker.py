@@ -177,10 +177,9 @@ def build_trainer(
 
 
 def _snapshots(spec: RunSpec, rank: int, world: int) -> Snapshots | None:
-    memory = spec.config.checkpoint.memory
-    if spec.keepers is None or memory is None:
+    if spec.keepers is None or spec.config.checkpoint.memory is None:
         return None
-    return Snapshots(spec.keepers, rank, world, memory.every_n_steps)
+    return Snapshots(spec.keepers, rank, world)
 
 
 def trainable_count(module: Any) -> int:

@@ -14,8 +14,10 @@ with the failing worker's traceback, once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -52,6 +54,17 @@ class FaultReporter(UserCallback):
             self.tracking.fault.remote(self.run_id, time.time())
         console.route_ray_process()  # this line is raylift's, in the controller's process
         self.failures += 1
+        report = functools.partial(self.report, dict(worker_exceptions), self.failures)
+        if self.max_failures >= 0 and self.failures > self.max_failures:
+            report()  # the run ends here: said before the controller does
+            return
+        # Ray Train restarts the group once this returns. Reading the dead process's stderr
+        # on its node (a task there: a process to start, about a second) and listing the
+        # storage are for the console, not for the restart: they run beside it.
+        threading.Thread(target=report, name="raylift-fault-report", daemon=True).start()
+
+    def report(self, worker_exceptions: dict[int, Any], failures: int) -> None:
+        """The failure's lines: a crashed process's account, then what raylift does."""
         # The folder, not Ray's record: a checkpoint written just before the failure may
         # not be registered yet, and the restart resumes from it (raylift.run.worker.resume).
         start = newest_written(self.run_dir)
@@ -61,8 +74,9 @@ class FaultReporter(UserCallback):
             print("\n".join(crash.report(self.run_log)), flush=True)
         how = crash.how() if crash is not None else None
         lost = None if died(exc) else lost_node(self.tracking)
-        failures = (self.failures, self.max_failures)
-        said = describe(worker_exceptions, *failures, start, how, self.memory, lost)
+        said = describe(
+            worker_exceptions, failures, self.max_failures, start, how, self.memory, lost
+        )
         print(said, flush=True)
 
 

@@ -201,6 +201,15 @@ def reads(bench: Bench, strategy: str, storage: str) -> dict[str, float]:
     return out
 
 
+def gpt_shape(layers: int, d_model: int) -> tuple[list[str], int]:
+    """gpt-tiny's overrides for a gpt of ``layers`` x ``d_model`` (a head per 64 wide),
+    and its parameters."""
+    heads = max(1, d_model // 64)
+    model = [f"task_args.n_layer={layers}", f"task_args.d_model={d_model}",
+             f"task_args.n_head={heads}", "task_args.max_bytes=300000"]  # fmt: skip
+    return model, count_params(layers, d_model, heads)
+
+
 def count_params(layers: int, d_model: int, heads: int) -> int:
     import torch
 
@@ -229,10 +238,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=768)
     parser.add_argument("--only", nargs="*", default=list(STRATEGIES))
     opts = parser.parse_args()
-    heads = max(1, opts.d_model // 64)
-    model = [f"task_args.n_layer={opts.layers}", f"task_args.d_model={opts.d_model}",
-             f"task_args.n_head={heads}", "task_args.max_bytes=300000"]  # fmt: skip
-    params = count_params(opts.layers, opts.d_model, heads)
+    model, params = gpt_shape(opts.layers, opts.d_model)
     root = Path(tempfile.mkdtemp(prefix="raylift-bench-ckpt-"))
     s3 = S3()
     rows: list[list[Any]] = []

@@ -33,7 +33,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
-from checkpoint_io import S3, count_params  # noqa: E402
+from checkpoint_io import S3, gpt_shape  # noqa: E402
 from goodput import RESTART, gpus, kill_a_worker, two_nodes  # noqa: E402
 from machine import describe  # noqa: E402
 from results import save  # noqa: E402
@@ -93,10 +93,7 @@ def main() -> None:
     parser.add_argument("--memory-every", type=int, default=10)
     parser.add_argument("--storage-every", type=int, default=100)
     opts = parser.parse_args()
-    heads = max(1, opts.d_model // 64)
-    model = [f"task_args.n_layer={opts.layers}", f"task_args.d_model={opts.d_model}",
-             f"task_args.n_head={heads}", "task_args.max_bytes=300000"]  # fmt: skip
-    params = count_params(opts.layers, opts.d_model, heads)
+    model, params = gpt_shape(opts.layers, opts.d_model)
     root = Path(tempfile.mkdtemp(prefix="raylift-bench-memory-"))
     print(f"memory against storage restores on {describe()}: gpt {params / 1e6:.0f}M", flush=True)
     s3 = S3()

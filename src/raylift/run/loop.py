@@ -591,6 +591,5 @@ class Trainer:
         self._check_finite()  # never overwrite the last good checkpoint with broken weights
         if to_storage:
             self.state.last_ckpt_step = self.state.step
-        to_memory = self.ctx.keepers is not None
-        self.saver.save(self.state.step, self.loop_state(), metrics, to_storage, to_memory)
+        self.saver.save(self.state.step, self.loop_state(), metrics, to_storage)
         self.clock.pause(self.clock.now() - started)

@@ -25,7 +25,7 @@ from raylift.core import storage
 from raylift.run.checkpointing import write_checkpoint
 from raylift.run.context import MemoryKeepers, WorkerContext, gather
 from raylift.strategies.base import Engine, Write
-from raylift.tensors.checkpoints import CheckpointError, seal_checkpoint
+from raylift.tensors.checkpoints import CheckpointError, done_file, seal_checkpoint
 
 
 @dataclasses.dataclass
@@ -65,7 +65,7 @@ class Save:
             if self.to_storage:
                 with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
                     storage.upload_folder(self.folder, self.dest)
-                    storage.write_text(storage.join(self.dest, _done(rank)), listing)
+                    storage.write_text(storage.join(self.dest, done_file(rank)), listing)
             self.done_s = time.perf_counter() - self.started
         except BaseException as exc:  # raised in the training thread when the ranks settle
             self.error = exc
@@ -76,7 +76,7 @@ class Save:
         """The part with its completion list to the keepers; a keeper lost on the way
         costs this snapshot, not the run (storage checkpoints go on)."""
         assert self.keepers is not None
-        done = self.folder / _done(rank)
+        done = self.folder / done_file(rank)
         done.write_text(listing)
         try:
             self.keepers.send(self.step, self.folder)
@@ -107,10 +107,10 @@ class Saver:
         loop_state: dict[str, Any],
         metrics: dict[str, float],
         to_storage: bool = True,
-        to_memory: bool = False,
     ) -> None:
-        """Collective: every rank takes its part and starts writing it: to storage, to
-        the run's memory (``ctx.keepers``: ``to_memory``), or both from one copy."""
+        """Collective: every rank takes its part and starts writing it: to storage and,
+        where the run keeps memory snapshots (``ctx.keepers``), to them too, from one copy;
+        ``to_storage`` False: a memory snapshot alone."""
         started = time.perf_counter()
         self.settle(wait=True)  # one save in flight: this one waits for the one before
         waited = time.perf_counter() - started
@@ -126,9 +126,8 @@ class Saver:
         if not to_storage:
             name = f"memory snapshot at step {step}"
         dest = self.ctx.reporter.destination(name) if to_storage else ""
-        keepers = self.ctx.keepers if to_memory else None
         job = Save(name, step, {**metrics, "step": float(step)}, folder, write, dest, started,
-                   to_storage=to_storage, keepers=keepers)  # fmt: skip
+                   to_storage=to_storage, keepers=self.ctx.keepers)  # fmt: skip
         if self.background:
             job.thread = threading.Thread(
                 target=job.upload, args=(rank,), name=f"raylift-upload-step{step}", daemon=True
@@ -206,6 +205,7 @@ class Saver:
     def _held(self, job: Save, everywhere: bool, save_s: float) -> None:
         """A memory snapshot whose parts every rank handed over: logged, and said on the
         console the first time (and whenever one is not kept)."""
+        assert job.keepers is not None
         if not everywhere:
             said = _said(job.memory_error) or "another rank's keeper did not take its part"
             self.ctx.log(f"raylift: the memory snapshot at step {job.step} is not kept ({said})")
@@ -213,7 +213,7 @@ class Saver:
         self.snapshots += 1
         metrics = {"snapshot_blocked_s": job.blocked, "snapshot_s": save_s}
         self.ctx.tracker.log_metrics({**metrics, "snapshot_bytes": float(job.written)}, job.step)
-        if self.snapshots == 1 and job.keepers is not None:
+        if self.snapshots == 1:
             self.ctx.log(
                 f"raylift: memory snapshot at step {job.step}: {job.written / 2**20:,.1f} MiB "
                 f"held on {job.keepers.where()} {save_s:.2f} s after it began; training "
@@ -244,10 +244,6 @@ def _queued(job: Save) -> str:
         f" ({job.waited:.2f} s of it waiting for the save before: checkpoints come faster "
         "than the storage takes them; raise checkpoint.every_n_steps)"
     )
-
-
-def _done(rank: int) -> str:
-    return f"complete-rank{rank}.json"
 
 
 def _said(error: BaseException | None) -> str | None:

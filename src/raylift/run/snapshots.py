@@ -248,9 +248,11 @@ class Snapshots:
 
     def find(self, storage_step: int) -> tuple[Choice | None, str]:
         """Collective: the snapshot every rank restores from (rank 0 looks), or None, and why."""
+        import ray
+
         found: tuple[Choice | None, str] = (None, "")
         if self.rank == 0:
-            found = choose(catalog(ray_get(self.keepers.all.remote())), storage_step)
+            found = choose(catalog(ray.get(self.keepers.all.remote())), storage_step)
         return gather(self.world, found)[0]
 
     def fetch(self, choice: Choice, into: Path) -> int:
@@ -258,7 +260,7 @@ class Snapshots:
         where it holds it; returns the bytes fetched."""
         import ray
 
-        keepers = ray_get(self.keepers.all.remote())
+        keepers = ray.get(self.keepers.all.remote())
         refs = []
         for rank, nodes in sorted(choice.holders.items()):
             node = self.node if self.node in nodes else nodes[0]
@@ -277,7 +279,7 @@ class Snapshots:
         if self.rank == 0:
             import ray
 
-            keepers = list(reachable(ray_get(self.keepers.all.remote())).values())
+            keepers = list(reachable(ray.get(self.keepers.all.remote())).values())
             # Waited for: another rank's next part must not arrive before it.
             ray.wait([k.forget_after.remote(step) for k in keepers], num_returns=len(keepers),
                      timeout=CATALOG_TIMEOUT_S)  # fmt: skip
@@ -319,12 +321,6 @@ def room_problem(need: int, available: int, keep: int) -> str | None:
         f"and the node has {size(available)} available: lower checkpoint.memory.keep, set "
         "checkpoint.memory: null (storage checkpoints only), or run on nodes with more memory"
     )
-
-
-def ray_get(ref: Any) -> Any:
-    import ray
-
-    return ray.get(ref)
 
 
 def scratch_for(step: int) -> Path:

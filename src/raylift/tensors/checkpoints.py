@@ -75,7 +75,8 @@ def _as_tuple(obj: Any) -> Any:
     return tuple(_as_tuple(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
-def _done_file(rank: int) -> str:
+def done_file(rank: int) -> str:
+    """The name of ``rank``'s completion list in a checkpoint (and a memory snapshot)."""
     return f"complete-rank{rank}.json"
 
 
@@ -161,7 +162,7 @@ def listing(directory: str) -> dict[str, Listed]:
     sizes = dict(storage.files_under(directory))
     files: dict[str, Listed] = {}
     for rank in range(world):
-        done = _done_file(rank)
+        done = done_file(rank)
         text = storage.read_text(storage.join(directory, done))
         if text is None:
             raise CheckpointError(
@@ -303,7 +304,7 @@ def newest_written(run_dir: str) -> str | None:
             world = int(read_loop_state(candidate).get("world_size", 1))
         except CheckpointError:  # cut off (a full disk): the restart passes over it too
             continue
-        if all(_done_file(r) in names for r in range(world)):
+        if all(done_file(r) in names for r in range(world)):
             return candidate
     return None
 

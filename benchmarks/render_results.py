@@ -1,17 +1,32 @@
-"""The README's results table and the manual's results page, rendered from
-``benchmarks/results/*.json`` (what each benchmark script saved when it last ran).
+"""The README's results table, the manual's results page, and every number the README and
+the manual quote, rendered from ``benchmarks/results/*.json`` (what each benchmark script
+saved when it last ran).
 
-    python benchmarks/render_results.py          # rewrite README.md's table and docs/results.md
-    python benchmarks/render_results.py --check  # exit 1 where either differs from the files
+    python benchmarks/render_results.py          # rewrite whatever differs from the files
+    python benchmarks/render_results.py --check  # exit 1 where a page differs from the files
 
-The README's table sits between the two ``results`` markers; everything else in it is
-left alone. A test runs ``--check``: a JSON file changed without rendering again fails.
+The README's table sits between the two ``results`` markers. Elsewhere in the README and
+in ``docs/``, a number is quoted through a marker that names the file and the cell:
+
+    <!-- n goodput.json::rows::Ray Train alone, no fault::training s -->157.1<!-- /n -->
+
+(``FILE::key::...``: keys of the JSON, ``rows::ROW::COLUMN`` for the cell of the row whose
+first cell is ROW, ``tables::TITLE`` for one of its further tables, ``goal`` for the goal
+and whether the result meets it, ``machine`` for the line naming the machine;
+``match=TEXT`` and ``first=TEXT`` keep the lines of a transcript holding TEXT), and a
+console transcript saved with a result is a fenced block right after
+``<!-- transcript FILE::key -->``. Everything else in the pages is left alone. A test
+runs ``--check``: a JSON file changed without rendering again fails, and so does a
+measured number quoted outside a marker (tests/unit/test_docs.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,12 +35,29 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "README.md"
 PAGE = REPO / "docs" / "results.md"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from goals import verdict  # noqa: E402
+
+# The pages whose quoted numbers are rendered: the README and every page of the manual
+# (the results page is written whole).
+PAGES = [README, *sorted(p for p in (REPO / "docs").rglob("*.md") if p != PAGE)]
+NUMBER = re.compile(r"<!-- n (?P<spec>[^>]*?) -->(?P<value>.*?)<!-- /n -->", re.S)
+# A block whose first line is ``$ raylift ...`` after this marker shows what that command
+# prints: the renderer runs it (a command that reads only the config, such as ``plan``).
+COMMAND = re.compile(
+    r"(<!-- command output -->\n```\w*\n\$ (?P<command>raylift (?:[^\n\\]|\\\n)*)\n)"
+    r"(?P<body>.*?)(^```$)",
+    re.S | re.M,
+)
+TRANSCRIPT = re.compile(
+    r"(<!-- transcript (?P<spec>[^>]*?) -->\n```\w*\n)(?P<body>.*?)(^```$)", re.S | re.M
+)
 BEGIN = "<!-- results: rendered by benchmarks/render_results.py from benchmarks/results/ -->"
 END = "<!-- results: end -->"
 
 
 def load(folder: Path = RESULTS) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    return [{**json.loads(p.read_text()), "file": p.name} for p in sorted(folder.glob("*.json"))]
 
 
 def where(m: dict[str, Any]) -> str:
@@ -45,21 +77,28 @@ def table(columns: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def named(r: dict[str, Any]) -> str:
+    """The script that ran, and which of its runs where it saves several."""
+    variant = r.get("variant")
+    return f"`{r['benchmark']}`" + (f" ({variant})" if variant else "")
+
+
 def readme_table(results: list[dict[str, Any]]) -> str:
     rows = [
         [
-            f"`{r['benchmark']}`",
+            named(r),
             r["summary"]["what"],
             r["summary"]["raylift"],
             r["summary"]["baseline"],
             r["summary"]["ratio"],
+            verdict(r),
             where(r["machine"]),
         ]
         for r in results
     ]
     if not measured_on_gpu(results):
-        rows.append(["`gpu.py`", GPU_WHAT, NOT_ON_GPU, "-", "-", "-"])
-    columns = ["benchmark", "what", "raylift", "baseline", "ratio", "machine"]
+        rows.append(["`gpu.py`", GPU_WHAT, NOT_ON_GPU, "-", "-", "-", "-"])
+    columns = ["benchmark", "what", "raylift", "baseline", "ratio", "goal", "machine"]
     return f"{BEGIN}\n{table(columns, rows)}\n{END}"
 
 
@@ -78,13 +117,12 @@ def page(results: list[dict[str, Any]]) -> str:
         "What each benchmark script measured when it last ran, rendered from "
         "`benchmarks/results/*.json` by `benchmarks/render_results.py`; a new run "
         "replaces its section (the old numbers live in git). How to run them, and what "
-        "each baseline is: `benchmarks/README.md`. Earlier measurements, each with its "
-        "machine, are on the [Measured (history)](measured.md) page; where they differ, "
-        "this page is current.\n",
+        "each baseline is: `benchmarks/README.md`; each goal, and how a result is held "
+        "to it: `benchmarks/goals.py`.\n",
     ]
     for r in results:
-        parts.append(f"## `{r['benchmark']}`: {r['title']}\n")
-        parts.append(f"On {where(r['machine'])}.\n")
+        parts.append(f"## {named(r)}: {r['title']}\n")
+        parts.append(f"On {where(r['machine'])}. Goal: {verdict(r)}.\n")
         parts.append(table(r["columns"], r["rows"]) + "\n")
         for more in r.get("tables", []):
             parts.append(f"{more['title']}:\n")
@@ -108,12 +146,82 @@ def spliced(readme: str, block: str) -> str:
     return head + block + tail
 
 
+def by_file(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each result under the name of its file: ``strategies_bf16-mixed.json``."""
+    return {r["file"]: r for r in results}
+
+
+def lookup(results: dict[str, dict[str, Any]], spec: str) -> Any:
+    """The value a marker's ``FILE::key::...`` names (the module docstring)."""
+    file, *keys = [k.strip() for k in spec.split("::")]
+    if file not in results:
+        raise KeyError(f"{spec}: no benchmarks/results/{file}")
+    node: Any = results[file]
+    while keys:
+        key = keys.pop(0)
+        if key == "goal":
+            return verdict(node)
+        if key == "machine":
+            return where(node["machine"])
+        if key == "rows":
+            row, column = keys.pop(0), keys.pop(0)
+            found = next((r for r in node["rows"] if r[0] == row), None)
+            if found is None or column not in node["columns"]:
+                raise KeyError(f"{spec}: no row {row!r} or column {column!r}")
+            node = found[node["columns"].index(column)]
+        elif key.startswith(("match=", "first=")):
+            kind, text = key.split("=", 1)
+            node = [line for line in node if text in line][: 1 if kind == "first" else None]
+            if not node:
+                raise KeyError(f"{spec}: no line with {text!r}")
+        elif key == "tables":
+            title = keys.pop(0)
+            node = next((t for t in node.get("tables", []) if t["title"] == title), None)
+            if node is None:
+                raise KeyError(f"{spec}: no table {title!r}")
+        else:
+            node = node[key]
+    return node
+
+
+def quoted(text: str, results: dict[str, dict[str, Any]]) -> str:
+    """``text`` with every marker's number and transcript rendered from the results."""
+
+    def number(m: re.Match[str]) -> str:
+        return f"<!-- n {m['spec']} -->{lookup(results, m['spec'])}<!-- /n -->"
+
+    def transcript(m: re.Match[str]) -> str:
+        value = lookup(results, m["spec"])
+        lines = value if isinstance(value, list) else str(value).split(" | ")
+        return m.group(1) + "".join(f"{line}\n" for line in lines) + m.group(4)
+
+    return COMMAND.sub(command_output, TRANSCRIPT.sub(transcript, NUMBER.sub(number, text)))
+
+
+def command_output(m: re.Match[str]) -> str:
+    """A ``<!-- command output -->`` block with what its command prints now."""
+    argv = shlex.split(m["command"].replace("\\\n", " "))
+    raylift = Path(sys.executable).with_name("raylift")
+    done = subprocess.run([str(raylift), *argv[1:]], cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{m['command']} exited {done.returncode}:\n{done.stderr[-2000:]}")
+    return m.group(1) + done.stdout + m.group(4)
+
+
+def rendered(results: list[dict[str, Any]]) -> dict[Path, str]:
+    """Every page as the results make it."""
+    files = by_file(results)
+    want = {p: quoted(p.read_text(), files) for p in PAGES}
+    want[README] = spliced(want[README], readme_table(results))
+    want[PAGE] = page(results)
+    return want
+
+
 def main() -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--check", action="store_true", help="compare, write nothing")
     opts = args.parse_args()
-    results = load()
-    want = {README: spliced(README.read_text(), readme_table(results)), PAGE: page(results)}
+    want = rendered(load())
     stale = [p for p, text in want.items() if not p.exists() or p.read_text() != text]
     if opts.check:
         for p in stale:

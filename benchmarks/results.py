@@ -6,6 +6,7 @@ run replaces its file (the old numbers live in git)."""
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -30,9 +31,9 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     for package in ("ray", "deepspeed", "raylift"):
-        try:
-            facts[package] = __import__(package).__version__
-        except ImportError:
+        try:  # the installed version, without importing the package (DeepSpeed's import prints)
+            facts[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
             continue
     facts["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     return facts
@@ -47,15 +48,22 @@ def save(
     notes: str = "",
     tables: list[dict[str, Any]] | None = None,
     folder: Path = RESULTS,
+    variant: str | None = None,
+    transcript: list[str] | None = None,
 ) -> Path:
     """Write ``benchmarks/results/<script>.json``. ``summary`` is the README's one row:
     ``what``, ``raylift``, ``baseline``, ``ratio`` (strings as they are to be shown).
     ``tables``: more of the same run's numbers, each a ``title``, ``columns``, ``rows``.
-    ``folder``: elsewhere than the results (a smoke run's numbers are no result)."""
+    ``folder``: elsewhere than the results (a smoke run's numbers are no result).
+    ``variant``: one of several runs of the same script (``bf16-mixed``, ``noclip``), saved
+    as ``<script>_<variant>.json``; the benchmark is still the script that ran.
+    ``transcript``: console lines of the run, which pages show as the renderer quotes them."""
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{Path(script).stem}.json"
+    stem = Path(script).stem + (f"_{variant}" if variant else "")
+    out = folder / f"{stem}.json"
     data = {
         "benchmark": Path(script).name,
+        "variant": variant,
         "title": title,
         "machine": machine(),
         "columns": columns,
@@ -64,6 +72,8 @@ def save(
         "notes": notes,
         "tables": tables or [],
     }
+    if transcript is not None:
+        data["transcript"] = transcript
     out.write_text(json.dumps(data, indent=2, default=str) + "\n")
     print(f"saved {out.relative_to(RESULTS.parent.parent) if out.is_relative_to(RESULTS) else out}")
     return out

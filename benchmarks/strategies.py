@@ -156,7 +156,7 @@ def report(results: dict, opts: argparse.Namespace, precision: str, world: int) 
                      f"{held(name) / 2**20:.2f}", f"{held(name) / held('ddp'):.2f}x"])  # fmt: skip
     least = min(results, key=held)
     save(
-        f"strategies_{precision}.py",
+        __file__,
         f"step time and model state per rank of each strategy ({Path(opts.config).name}, "
         f"world size {world}, {precision})",
         ["strategy", "step ms", "vs ddp", "model state MiB/rank", "vs ddp"],
@@ -167,6 +167,7 @@ def report(results: dict, opts: argparse.Namespace, precision: str, world: int) 
          "ratio": f"{held(least) / held('ddp'):.2f}x memory, "
          f"{step(least) / step('ddp'):.2f}x time"},
         notes=f"Median of {opts.steps // LOG_EVERY - 1} logging intervals of {LOG_EVERY} steps.",
+        variant=precision,
     )  # fmt: skip
 
 

@@ -24,6 +24,9 @@ from raylift.core.startup import Startup, process_start
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
+DEFAULT_MAX_SHARD = "5GB"  # as save_pretrained shards
+
+
 def load_config(path: str, overrides: Sequence[str] = ()) -> Any:
     """:func:`raylift.validation.load_config`: the registries it checks against bring torch."""
     from raylift import validation
@@ -102,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     exp.add_argument(
         "--max-shard-size",
-        default="5GB",
+        default=DEFAULT_MAX_SHARD,
         help="--format hf: safetensors files of at most this size (e.g. 2GB, 500MB), with an "
-        "index, as save_pretrained writes them (default 5GB)",
+        f"index, as save_pretrained writes them (default {DEFAULT_MAX_SHARD})",
     )
     exp.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     chk = verbs.add_parser(

@@ -19,7 +19,7 @@ from raylift.cli import build_parser
 from raylift.core import reference
 from raylift.core.config import Config, ConfigError
 from raylift.core.parsing import yaml_key
-from raylift.validation import load_config
+from raylift.validation import config_from_dict, load_config
 from tests.helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +64,9 @@ def every_key(cls: type = Config, prefix: str = "") -> list[str]:
     out = []
     for field in dataclasses.fields(cls):
         out.append(prefix + yaml_key(field))
+        if prefix + field.name in reference.CHECKED_BY_COMMAND:
+            out += every_key(reference.CHECKED_BY_COMMAND[prefix + field.name], f"{field.name}.")
+            continue
         inner = [
             c for c in (*getattr(field.type, "__args__", ()), field.type) if isinstance(c, type)
         ]
@@ -94,6 +97,23 @@ def test_the_config_reference_lists_every_key_and_is_up_to_date() -> None:
     assert all(k.doc for k in reference.all_keys()), [
         k.name for k in reference.all_keys() if not k.doc
     ]
+
+
+def test_the_configuration_page_shows_the_real_defaults() -> None:
+    """The configuration page's config is every default as ``load_config`` fills it in, and
+    the reference names every built-in task and every precision the config accepts."""
+    from raylift.tasks import BUILTINS
+    from raylift.tensors.precision import ACCEPTED
+
+    page = (REPO / "docs" / "configuration.md").read_text()
+    marker = "<!-- defaults: python -m raylift.core.reference --defaults -->\n```yaml\n"
+    assert marker + reference.defaults_yaml() + "```" in page, (
+        "docs/configuration.md: paste python -m raylift.core.reference --defaults after its marker"
+    )
+    assert config_from_dict(yaml.safe_load(reference.defaults_yaml())) == Config()
+    rows = {k.name: k.doc for k in reference.all_keys()}
+    assert all(name in rows["task"] for name in BUILTINS), rows["task"]
+    assert all(name in rows["precision"].split(" | ") for name in ACCEPTED), rows["precision"]
 
 
 def test_every_yaml_config_in_the_docs_loads(
@@ -160,3 +180,125 @@ def test_the_results_tables_are_rendered_from_the_json_files(tmp_path: Path) -> 
     assert results, "benchmarks/results/ holds no results"
     results[0]["rows"][0][-1] = "a changed number"
     assert render_results.page(results) != (REPO / "docs" / "results.md").read_text()
+
+
+# A measured quantity as the pages quote one: a number with a unit of time, size, rate,
+# or a ratio (``1.19x``; ``12 x parameters`` is a formula). Version numbers, counts and
+# config values carry none of these.
+MEASURED = re.compile(
+    r"(?<![\w.~<-])\d[\d,]*(?:\.\d+)?(?:x|\s?(?:ms|s|min|h|%|KiB|MiB|GiB|KB|MB|GB|GB/s|MB/s|"
+    r"rows/s|samples/s|tokens/s|examples/s))(?![\w/])"
+)
+# What the pages may say by hand: values the code fixes rather than measures, each as the
+# words around it, and where the code fixes it: (module, name, the value the words say).
+FIXED = {
+    "blocks of 1 MiB": ("raylift.tensors.ranged", "BLOCK", 1 << 20),
+    "block (1 MiB": ("raylift.tensors.ranged", "BLOCK", 1 << 20),
+    "block of every file (1 MiB": ("raylift.tensors.ranged", "BLOCK", 1 << 20),
+    "--max-shard-size 5GB": ("raylift.cli", "DEFAULT_MAX_SHARD", "5GB"),
+    "(default `5GB`": ("raylift.cli", "DEFAULT_MAX_SHARD", "5GB"),
+    "sharded above 5 GB": ("raylift.cli", "DEFAULT_MAX_SHARD", "5GB"),
+    "does not answer in 3 s": ("raylift.run.snapshots", "CATALOG_TIMEOUT_S", 3.0),
+    "no heartbeat for 60 s": ("raylift.core.runlock", "STALE_S", 60.0),
+    "plus 2 s": ("raylift.run.checkpointing", "LAST_SAVE_SLACK_S", 2.0),
+    "`scaling.placement_timeout_s` (300 s)": (
+        "raylift.core.config",
+        "ScalingConfig().placement_timeout_s",
+        300.0,
+    ),
+    "at most 30% of Ray's object store": ("raylift.data.shards", "SHUFFLE_MEMORY_SHARE", 0.3),
+    "every 10 s how many MiB": ("raylift.data.shards", "PROGRESS_EVERY_S", 10.0),
+    "by window: 5% of the windows": (
+        "raylift.tasks.gpt",
+        "inspect.signature(GPTTask).parameters['val_percent'].default",
+        5,
+    ),
+    "refreshed every 20 s": (
+        "ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator",
+        "_AutoscalingCoordinatorActor.TICK_INTERVAL_S",
+        20,
+    ),
+}
+
+
+def test_the_values_the_pages_quote_by_hand_are_the_codes() -> None:
+    import importlib
+    import inspect
+
+    for words, (module, name, value) in FIXED.items():
+        scope = {"inspect": inspect, **vars(importlib.import_module(module))}
+        found = eval(name, scope)  # a name, or an expression such as ScalingConfig().key
+        assert found == value, f"the pages say {words!r}; {module}.{name} is {found!r}"
+
+
+def _rendered_spans(text: str) -> str:
+    """``text`` without what the renderer writes: markers' numbers, transcripts, the
+    README's results table."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import render_results
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    text = render_results.NUMBER.sub("", text)
+    text = render_results.TRANSCRIPT.sub("", text)
+    text = render_results.COMMAND.sub("", text)
+    return re.sub(
+        re.escape(render_results.BEGIN) + ".*?" + re.escape(render_results.END),
+        "",
+        text,
+        flags=re.S,
+    )
+
+
+def unrendered_numbers(page: Path) -> list[str]:
+    """Each measured number ``page`` quotes outside the renderer's markers, as
+    ``page:line: number``."""
+    text = _rendered_spans(page.read_text())
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        fixed = [(line.find(words), len(words)) for words in FIXED if words in line]
+        for m in MEASURED.finditer(line):
+            if any(at <= m.start() < at + length for at, length in fixed):
+                continue
+            found.append(f"{page.relative_to(REPO)}:{n}: {m.group()!r} in {line.strip()[:100]!r}")
+    return found
+
+
+def test_every_measured_number_is_rendered_from_a_results_file() -> None:
+    """The README and the manual quote a measured number only through a marker the
+    renderer fills from benchmarks/results/*.json (the results page is rendered whole);
+    a console example shows placeholders such as ``<seconds>`` instead of numbers."""
+    pages = [p for p in PAGES if p.name != "results.md"]
+    found = [hit for page in pages for hit in unrendered_numbers(page)]
+    assert not found, "measured numbers typed by hand:\n" + "\n".join(found)
+
+
+EXAMPLE_FILES = {"mytasks.py"}  # the tasks page's example, which the reader writes
+
+
+def test_every_file_the_pages_name_exists() -> None:
+    """A path under one of the repository's folders, or a script's bare name (``x.py``),
+    in backticks or a link of the README, the manual or a results file, is a file here."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import render_results
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    tops = ("benchmarks/", "tests/", "src/", "configs/", "cluster/", "docs/", ".ci/")
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    scripts = {Path(f).name for f in tracked if f.endswith(".py")} | EXAMPLE_FILES
+    named = [(page.relative_to(REPO), page.read_text()) for page in PAGES]
+    named += [(Path("benchmarks/results") / r["file"], f"`{r['benchmark']}`")
+              for r in render_results.load()]  # fmt: skip
+    missing = []
+    for where, text in named:
+        for m in re.finditer(r"`([^`\s]+)`|\]\(([^)\s#]+)", text):
+            for path in re.findall(r"[\w./-]+\.(?:py|ya?ml|json|md|sh|toml)\b", m[1] or m[2]):
+                path = path.removeprefix("./")
+                under_a_folder = path.startswith(tops) and path not in tracked
+                a_script = "/" not in path and path.endswith(".py") and path not in scripts
+                if under_a_folder or a_script:
+                    missing.append(f"{where}: {path}")
+    assert not missing, "pages name files that do not exist:\n" + "\n".join(missing)

@@ -26,7 +26,13 @@ import yaml
 from raylift.artifacts import mlmodel, tracking, tracking_service
 from raylift.core import console, runlock, storage
 from raylift.core import storage as stores
-from raylift.core.config import Config, ConfigError, EnvironmentProblem
+from raylift.core.config import (
+    Config,
+    ConfigError,
+    EnvironmentProblem,
+    TuneConfig,
+    TuneSchedulerConfig,
+)
 from raylift.core.parsing import merge, nest, parse_overrides
 from raylift.core.storage import join, resolve
 from raylift.data.shards import shards_for_run
@@ -44,55 +50,34 @@ SEARCHES = ("random", "optuna")
 TIME_ATTR = "epochs_done"  # reported with every evaluation; whole numbers at epoch ends
 
 
-@dataclasses.dataclass
-class SchedulerSpec:
-    name: str = "asha"
-    grace_period: int = 1
-    max_t: int | None = None  # epochs; None: train.max_epochs
-    reduction_factor: float = 2.0
-
-
-@dataclasses.dataclass
-class SweepSpec:
-    space: dict[str, dict[str, Any]]
-    num_samples: int = 8
-    max_concurrent: int = 2
-    metric: str = "val_loss"
-    mode: str = "min"
-    scheduler: SchedulerSpec = dataclasses.field(default_factory=SchedulerSpec)
-    search: str = "random"
-    scaling: dict[str, Any] = dataclasses.field(default_factory=dict)  # per-trial overrides
-    max_failures: int = 1  # restarts of a failed trial, each from its latest checkpoint
-
-
 # ---------------------------------------------------------------- the tune: section
 
 
-def parse_sweep(cfg: Config) -> SweepSpec:
+def parse_sweep(cfg: Config) -> TuneConfig:
     """The config's ``tune:`` section, checked; every problem at once as a ConfigError."""
     raw = dict(cfg.tune or {})
-    known = {f.name for f in dataclasses.fields(SweepSpec)}
+    known = {f.name for f in dataclasses.fields(TuneConfig)}
     problems = [f"tune.{k}: unknown key; allowed: {sorted(known)}" for k in raw if k not in known]
     scheduler, sched_problems = _parse_scheduler(raw.pop("scheduler", "asha"))
     fields = {k: v for k, v in raw.items() if k in known}
-    spec = SweepSpec(**{"space": {}, **fields}, scheduler=scheduler)
+    spec = TuneConfig(**{"space": {}, **fields}, scheduler=scheduler)
     problems += sched_problems + _spec_problems(spec, cfg)
     if problems:
         raise ConfigError(problems)
     return spec
 
 
-def _parse_scheduler(raw: Any) -> tuple[SchedulerSpec, list[str]]:
+def _parse_scheduler(raw: Any) -> tuple[TuneSchedulerConfig, list[str]]:
     """``asha`` or ``{name: asha, grace_period: 1, ...}``; null means none."""
     fields = {"name": raw} if isinstance(raw, str) else dict(raw or {"name": "none"})
     try:
-        return SchedulerSpec(**fields), []
+        return TuneSchedulerConfig(**fields), []
     except TypeError:
-        allowed = [f.name for f in dataclasses.fields(SchedulerSpec)]
-        return SchedulerSpec(), [f"tune.scheduler: allowed keys are {allowed}"]
+        allowed = [f.name for f in dataclasses.fields(TuneSchedulerConfig)]
+        return TuneSchedulerConfig(), [f"tune.scheduler: allowed keys are {allowed}"]
 
 
-def _spec_problems(spec: SweepSpec, cfg: Config) -> list[str]:
+def _spec_problems(spec: TuneConfig, cfg: Config) -> list[str]:
     out = []
     if not spec.space:
         out.append("tune.space: empty; e.g. {optim.lr: {loguniform: [1.0e-4, 1.0e-2]}}")
@@ -134,7 +119,7 @@ def _dist_problems(key: str, dist: Any, cfg: Config) -> list[str]:
     return []
 
 
-def param_space(spec: SweepSpec) -> dict[str, Any]:
+def param_space(spec: TuneConfig) -> dict[str, Any]:
     from ray import tune
 
     make = {
@@ -158,7 +143,7 @@ def trial_config(base: dict[str, Any], params: dict[str, Any], name: str) -> Con
 # ---------------------------------------------------------------- Tune objects
 
 
-def scheduler(spec: SweepSpec, max_epochs: int) -> Any:
+def scheduler(spec: TuneConfig, max_epochs: int) -> Any:
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, MedianStoppingRule
 
     s = spec.scheduler
@@ -174,7 +159,7 @@ def scheduler(spec: SweepSpec, max_epochs: int) -> Any:
     return FIFOScheduler()
 
 
-def search_alg(spec: SweepSpec, seed: int) -> Any:
+def search_alg(spec: TuneConfig, seed: int) -> Any:
     """Both searches are seeded by ``train.seed``: the same config samples the same trials.
 
     Each limits how many trials run at once itself (Tune ignores ``max_concurrent_trials``
@@ -256,7 +241,7 @@ def tune_run(cfg: Config, log: Any = print) -> SweepResult:
             return _tune_run(cfg, spec, log, service)
 
 
-def _tune_run(cfg: Config, spec: SweepSpec, log: Any, service: Any) -> SweepResult:
+def _tune_run(cfg: Config, spec: TuneConfig, log: Any, service: Any) -> SweepResult:
     from ray import tune
 
     started = time.perf_counter()
@@ -310,7 +295,7 @@ def _ctrl_c_stops_tune() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _trial_base(cfg: Config, spec: SweepSpec, storage: str) -> dict[str, Any]:
+def _trial_base(cfg: Config, spec: TuneConfig, storage: str) -> dict[str, Any]:
     """The config every trial starts from. Tune runs trials in folders of their own,
     so every relative path (storage, the MLflow store, shards) is made absolute here."""
     fixed: dict[str, Any] = {
@@ -333,13 +318,13 @@ def _resolved(base: dict[str, Any], log: Any) -> dict[str, Any]:
     return resolve_auto(config_from_dict(base), log).to_dict()
 
 
-def _trial_workers(cfg: Config, spec: SweepSpec) -> int:
+def _trial_workers(cfg: Config, spec: TuneConfig) -> int:
     workers = spec.scaling.get("num_workers", cfg.scaling.num_workers)
     return int(workers[-1] if isinstance(workers, list) else workers)
 
 
 def _tuner(
-    trainable: Any, path: str, resumed: bool, spec: SweepSpec, cfg: Config, storage: str
+    trainable: Any, path: str, resumed: bool, spec: TuneConfig, cfg: Config, storage: str
 ) -> Any:
     from ray import tune
 
@@ -364,11 +349,11 @@ def _tuner(
     )
 
 
-def _rows(grid: Any, spec: SweepSpec, cfg: Config) -> list[TrialRow]:
+def _rows(grid: Any, spec: TuneConfig, cfg: Config) -> list[TrialRow]:
     return [_row(result, spec, cfg) for result in grid]
 
 
-def _row(result: Any, spec: SweepSpec, cfg: Config) -> TrialRow:
+def _row(result: Any, spec: TuneConfig, cfg: Config) -> TrialRow:
     m = result.metrics or {}
     epochs = float(m.get(TIME_ATTR, 0.0))
     return TrialRow(
@@ -395,7 +380,7 @@ def _finite(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
-def _best(rows: list[TrialRow], spec: SweepSpec) -> TrialRow | None:
+def _best(rows: list[TrialRow], spec: TuneConfig) -> TrialRow | None:
     scored = [r for r in rows if r.metric is not None]
     if not scored:
         return None
@@ -418,7 +403,7 @@ def _write_best(cfg: Config, best: TrialRow, storage: str) -> str:
 
 
 def _log_best_model(
-    cfg: Config, spec: SweepSpec, parent: str, best: TrialRow, storage: str, log: Any
+    cfg: Config, spec: TuneConfig, parent: str, best: TrialRow, storage: str, log: Any
 ) -> None:
     """``tracking.log_model`` of the sweep: the best trial's final (or best-scored, by the
     sweep's metric) checkpoint, as the parent run's model."""
@@ -433,7 +418,7 @@ def _log_best_model(
     )  # fmt: skip
 
 
-def _parent_run(cfg: Config, storage: str, spec: SweepSpec) -> str:
+def _parent_run(cfg: Config, storage: str, spec: TuneConfig) -> str:
     """The sweep's MLflow run: found again by name and storage when the sweep resumes."""
     uri, key = tracking.tracking_uri(cfg), tracking.run_key(cfg, storage)
     resume = tracking.find_run(uri, cfg.tracking.experiment, key) is not None
@@ -446,7 +431,7 @@ def _finish_parent(
     parent: str,
     rows: list[TrialRow],
     best: TrialRow | None,
-    spec: SweepSpec,
+    spec: TuneConfig,
     storage: str,
 ) -> None:
     """Close every child the scheduler killed mid-run, then record the best on the parent."""

@@ -372,9 +372,37 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
+class TuneSchedulerConfig:
+    name: str = "asha"  # asha | median | none: which trials stop early
+    grace_period: int = 1  # epochs a trial trains before it can be stopped
+    max_t: int | None = None  # asha: epochs a trial may reach; null: train.max_epochs
+    reduction_factor: float = 2.0  # asha: the share of trials kept at each rung is 1 / this
+
+
+@dataclasses.dataclass
+class TuneConfig:
+    """The ``tune:`` section, which ``raylift tune`` checks (raylift.commands.tune) and
+    every other command carries untouched."""
+
+    # config key -> distribution: loguniform | uniform | randint [low, high], choice | grid
+    # [values]; e.g. {optim.lr: {loguniform: [1.0e-4, 1.0e-2]}}
+    space: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    num_samples: int = 8  # trials drawn from the space (each grid point this many times)
+    max_concurrent: int = 2  # trials running at once, each with its own workers
+    metric: str = "val_loss"  # the evaluation metric trials are ranked and stopped by
+    mode: str = "min"  # min | max: which way is better
+    # asha, median or none; or {name: asha, grace_period: 1, max_t: null, reduction_factor: 2}
+    scheduler: TuneSchedulerConfig = dataclasses.field(default_factory=TuneSchedulerConfig)
+    search: str = "random"  # random | optuna: how the next trial's values are drawn
+    scaling: dict[str, Any] = dataclasses.field(default_factory=dict)  # each trial's scaling.*
+    max_failures: int = 1  # restarts of a failed trial, each from its latest checkpoint
+
+
+@dataclasses.dataclass
 class Config:
     name: str = "raylift-run"  # the run's name: a rerun with the same name and storage resumes
-    task: str = "digits"  # a built-in (digits, gpt, images, hf-causal-lm) or package.module:Class
+    # a built-in (digits, gpt, images, hf-causal-lm, hf-sft) or package.module:Class
+    task: str = "digits"
     # keyword arguments of the task's constructor
     task_args: dict[str, Any] = dataclasses.field(default_factory=dict)
     # the model's initial weights
@@ -385,7 +413,7 @@ class Config:
     scaling: ScalingConfig = dataclasses.field(default_factory=ScalingConfig)
     # how the model is distributed (see Strategies)
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
-    precision: str = "32"  # auto | 32 | 16-mixed | bf16-mixed | bf16-true
+    precision: str = "32"  # auto | 32 | 32-true | 16-mixed | bf16-mixed | bf16-true
     # optimizer and learning-rate schedule
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     # the loop: steps, accumulation, evaluation, failures
@@ -395,7 +423,7 @@ class Config:
     # MLflow: where, and what is logged
     tracking: TrackingConfig = dataclasses.field(default_factory=TrackingConfig)
     storage: str = "./runs"  # runs and shards: a folder, or s3:// gs:// (or NFS) on a cluster
-    # Validated by `raylift tune`; other commands carry it untouched.
+    # the sweep `raylift tune` runs (its keys: TuneConfig); other commands carry it untouched
     tune: dict[str, Any] | None = None
 
     def problems(self) -> list[str]:

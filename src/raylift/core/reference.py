@@ -1,8 +1,10 @@
 """The configuration reference page, made from the config dataclasses themselves: every
 key, its type, its default and what it does (the comment beside the field), so the
-manual cannot drift from what ``load_config`` accepts.
+manual cannot drift from what ``load_config`` accepts; and the configuration page's
+config of every default, made the same way.
 
     python -m raylift.core.reference > docs/reference/config.md
+    python -m raylift.core.reference --defaults   # the YAML docs/configuration.md shows
 """
 
 from __future__ import annotations
@@ -14,8 +16,14 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from raylift.core.config import Config
+import yaml
+
+from raylift.core.config import Config, TuneConfig
 from raylift.core.parsing import yaml_key
+
+# Sections a config carries as a mapping, checked by their command rather than at load:
+# the reference lists their keys from the dataclass that command checks them against.
+CHECKED_BY_COMMAND = {"tune": TuneConfig}
 
 HEADER = """# Configuration reference
 
@@ -41,7 +49,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> Iterator[Key]:
     comments = field_comments(cls)
     for field in dataclasses.fields(cls):
         name = f"{prefix}{yaml_key(field)}"
-        nested = section_class(hints[field.name])
+        nested = section_class(hints[field.name]) or CHECKED_BY_COMMAND.get(name)
         default = default_of(field)
         if nested is not None:
             yield Key(
@@ -108,5 +116,33 @@ def page() -> str:
     return HEADER + "\n" + "\n".join(rows) + "\n"
 
 
+def defaults_yaml(cls: type = Config, indent: str = "") -> str:
+    """A config of every default, as YAML, each key with what it does beside it."""
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    lines = []
+    for field in dataclasses.fields(cls):
+        key, default = yaml_key(field), default_of(field)
+        nested = section_class(hints[field.name])
+        note = f"  # {comments[field.name]}" if comments.get(field.name) else ""
+        if nested is not None and default is not None:
+            lines.append(f"{indent}{key}:{note}")
+            lines.append(defaults_yaml(nested, indent + "  ").rstrip("\n"))
+            continue
+        lines.append(f"{indent}{key}: {flow(default)}{note}")
+    return "\n".join(lines) + "\n"
+
+
+def flow(value: Any) -> str:
+    """``value`` as one line of YAML: null, true, [0.9, 0.999], {}."""
+    if value is None or isinstance(value, bool):
+        return render(value)
+    if isinstance(value, (list, dict)):
+        return yaml.safe_dump(value, default_flow_style=True).strip()
+    return yaml.safe_dump(value).strip().removesuffix("\n...")
+
+
 if __name__ == "__main__":
-    print(page(), end="")
+    import sys
+
+    print(defaults_yaml() if "--defaults" in sys.argv else page(), end="")

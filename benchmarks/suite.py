@@ -1,0 +1,112 @@
+"""The test suite as CI and a new contributor run it: a fresh clone of the current commit,
+``bash .ci/run`` (a new virtual environment, everything installed, the caches empty),
+timed as a whole and as its pytest run, with pytest's count and its slowest tests. The
+README's line on the suite's length is rendered from this file's result.
+
+    python benchmarks/suite.py                 # --slowest 20
+    python benchmarks/suite.py --quick         # the quick lane (-m "not slow") instead
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import save
+
+REPO = Path(__file__).resolve().parents[1]
+COUNTS = re.compile(r"=+ (?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s")
+DURATION = re.compile(r"^(?P<s>[\d.]+)s (?P<phase>call|setup|teardown)\s+(?P<test>\S+)", re.M)
+
+
+def minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {seconds % 60:.0f} s"
+
+
+def clone(into: Path) -> str:
+    """A clone of this checkout's HEAD into ``into``; its commit."""
+    subprocess.run(["git", "clone", "-q", str(REPO), str(into)], check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=into, check=True,
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return head
+
+
+def run(folder: Path, quick: bool) -> tuple[float, str, int]:
+    """``bash .ci/run`` in ``folder`` (its pytest with ``-m "not slow"`` where ``quick``):
+    seconds, output, exit code."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_ADDRESS")}
+    env["RAYLIFT_TEST_CACHE"] = tempfile.mkdtemp(prefix="raylift-suite-cache-")
+    env["PYTEST_ADDOPTS"] = '-m "not slow"' if quick else ""
+    started = time.perf_counter()
+    done = subprocess.run(["bash", ".ci/run"], cwd=folder, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return time.perf_counter() - started, done.stdout, done.returncode
+
+
+def counted(output: str) -> tuple[dict[str, int], float]:
+    """pytest's closing count (``{"passed": 519, "skipped": 9}``) and its seconds."""
+    found = list(COUNTS.finditer(output))
+    if not found:
+        raise SystemExit("no pytest summary in the output:\n" + output[-3000:])
+    last = found[-1]
+    counts = {w: int(n) for n, w in re.findall(r"(\d+) (\w+)", last["counts"])}
+    return counts, float(last["seconds"])
+
+
+def slowest(output: str, n: int) -> list[list[str]]:
+    """The ``n`` slowest test phases pytest listed (``--durations``)."""
+    rows = [(float(m["s"]), m["phase"], m["test"]) for m in DURATION.finditer(output)]
+    return [[f"{s:.1f} s", phase, test] for s, phase, test in sorted(rows, reverse=True)[:n]]
+
+
+def main() -> None:
+    args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args.add_argument("--slowest", type=int, default=20)
+    args.add_argument("--quick", action="store_true", help='only -m "not slow"')
+    opts = args.parse_args()
+    with tempfile.TemporaryDirectory(prefix="raylift-suite-") as tmp:
+        commit = clone(Path(tmp) / "raylift")
+        seconds, output, code = run(Path(tmp) / "raylift", opts.quick)
+    counts, pytest_s = counted(output)
+    print(output[-6000:])
+    lane = "the quick lane" if opts.quick else "the whole suite"
+    summary = ", ".join(f"{n} {w}" for w, n in counts.items())
+    save(
+        __file__,
+        f"{lane} from a fresh clone of {commit}: bash .ci/run, caches empty",
+        ["measure", "value"],
+        [
+            ["commit", commit],
+            ["exit", str(code)],
+            ["tests", summary],
+            ["pytest", minutes(pytest_s)],
+            ["with the install", minutes(seconds)],
+        ],
+        {
+            "what": f"{lane}, a fresh clone's bash .ci/run, caches empty",
+            "raylift": f"{summary} in {minutes(pytest_s)}",
+            "baseline": "-",
+            "ratio": "-",
+        },
+        tables=[
+            {
+                "title": f"the {opts.slowest} slowest test phases",
+                "columns": ["seconds", "phase", "test"],
+                "rows": slowest(output, opts.slowest),
+            }
+        ],
+        variant="quick" if opts.quick else None,
+    )
+    if code != 0:
+        raise SystemExit(f"bash .ci/run exited {code}")
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 
@@ -31,10 +32,12 @@ def coordinator_and_policy():  # type: ignore[no-untyped-def]
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
-    assert not ray.is_initialized()  # no tick thread: only the calls below look at the nodes
-    coordinator = _AutoscalingCoordinatorActor(
-        send_resources_request=lambda *args: None, get_cluster_nodes=lambda: NODES
-    )
+    # No tick thread, which the class starts where this process has joined a Ray (an xdist
+    # worker that also ran the session's Ray tests): only the calls below look at the nodes.
+    with mock.patch.object(ray, "is_initialized", return_value=False):
+        coordinator = _AutoscalingCoordinatorActor(
+            send_resources_request=lambda *args: None, get_cluster_nodes=lambda: NODES
+        )
     coordinator.request_resources("train", [{"CPU": 2.0}, {"CPU": 2.0}], expire_after_s=600)
     config = ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 2.0})
     return coordinator, ElasticScalingPolicy(config)

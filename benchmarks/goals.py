@@ -3,7 +3,7 @@
 A goal lives here once; ``render_results.py`` shows it beside every result, with
 ``met`` or ``missed`` decided from the numbers in the result's own file, so a result that
 misses its goal says so wherever it is shown. A benchmark without an entry has no goal
-(it measures, as ``strategies.py`` does). Where a goal has no number to hold a result to,
+(it measures, as ``strategies.py`` does); ``script:variant`` names one run of a script. Where a goal has no number to hold a result to,
 it is shown without a verdict.
 """
 
@@ -147,10 +147,14 @@ GOALS: dict[str, Goal] = {
     ),
     "log_model.py": Goal("a small share of the training"),
     "suite.py": Goal("passes within 30 min on a fresh clone, caches empty", _suite),
+    "suite.py:quick": Goal(
+        "passes", lambda r: cell(r["rows"], r["columns"], "exit", "value") == "0"
+    ),
 }
 
 
 def verdict(result: Result) -> str:
     """The goal of ``result``'s benchmark with met or missed; ``-`` where it has none."""
-    goal = GOALS.get(result["benchmark"])
+    variant = result.get("variant")
+    goal = GOALS.get(f"{result['benchmark']}:{variant}") or GOALS.get(result["benchmark"])
     return "-" if goal is None else goal.verdict(result)

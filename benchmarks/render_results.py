@@ -38,9 +38,10 @@ PAGE = REPO / "docs" / "results.md"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from goals import verdict  # noqa: E402
 
-# The pages whose quoted numbers are rendered: the README and every page of the manual
-# (the results page is written whole).
-PAGES = [README, *sorted(p for p in (REPO / "docs").rglob("*.md") if p != PAGE)]
+# The pages whose quoted numbers are rendered: the README, the contributors' guide and every
+# page of the manual (the results page is written whole).
+CONTRIBUTING = REPO / "CONTRIBUTING.md"
+PAGES = [README, CONTRIBUTING, *sorted(p for p in (REPO / "docs").rglob("*.md") if p != PAGE)]
 NUMBER = re.compile(r"<!-- n (?P<spec>[^>]*?) -->(?P<value>.*?)<!-- /n -->", re.S)
 # A block whose first line is ``$ raylift ...`` after this marker shows what that command
 # prints: the renderer runs it (a command that reads only the config, such as ``plan``).

@@ -24,7 +24,7 @@ from tests.helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = sorted((REPO / "docs").rglob("*.md"))
-PAGES = [REPO / "README.md", *DOCS]
+PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *DOCS]
 NO_CHECK = "<!-- not a whole config -->"  # before a YAML block that shows a fragment
 
 
@@ -200,6 +200,7 @@ FIXED = {
     "sharded above 5 GB": ("raylift.cli", "DEFAULT_MAX_SHARD", "5GB"),
     "does not answer in 3 s": ("raylift.run.snapshots", "CATALOG_TIMEOUT_S", 3.0),
     "no heartbeat for 60 s": ("raylift.core.runlock", "STALE_S", 60.0),
+    "`tests.helpers.HANG_S`, 30 min": ("tests.helpers", "HANG_S", 1800),
     "plus 2 s": ("raylift.run.checkpointing", "LAST_SAVE_SLACK_S", 2.0),
     "`scaling.placement_timeout_s` (300 s)": (
         "raylift.core.config",

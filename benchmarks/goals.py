@@ -3,8 +3,8 @@
 A goal lives here once; ``render_results.py`` shows it beside every result, with
 ``met`` or ``missed`` decided from the numbers in the result's own file, so a result that
 misses its goal says so wherever it is shown. A benchmark without an entry has no goal
-(it measures, as ``strategies.py`` does); ``script:variant`` names one run of a script. Where a goal has no number to hold a result to,
-it is shown without a verdict.
+(it measures, as ``strategies.py`` does); ``script:variant`` names one run of a script.
+Where a goal has no number to hold a result to, it is shown without a verdict.
 """
 
 from __future__ import annotations

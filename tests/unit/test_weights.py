@@ -117,6 +117,51 @@ def test_every_strategy_starts_from_the_weights(tmp_path: Path) -> None:
             torch.testing.assert_close(got[k], values[k], rtol=0, atol=0, msg=f"{name} {k}")
 
 
+class Bf16Net(torch.nn.Module):
+    """bf16 weights and an int64 buffer beyond float32's exact integers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(64, 33, dtype=torch.bfloat16))
+        self.register_buffer("ids", torch.zeros(3, dtype=torch.int64))
+
+
+def bf16_file(tmp: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """Every bit pattern a bf16 can hold at random (NaN payloads, -0, subnormals, inf)."""
+    from safetensors.torch import save_file
+
+    bits = torch.randint(-(2**15), 2**15, (64, 33), generator=torch.Generator().manual_seed(5))
+    tensors = {
+        "weight": bits.to(torch.int16).view(torch.bfloat16),
+        "ids": torch.tensor([2**53 + 1, -(2**40) - 3, 7]),
+    }
+    save_file(tensors, str(tmp / "bf16.safetensors"))
+    return tmp / "bf16.safetensors", tensors
+
+
+def received(rank: int, world: int, path: str, out: str) -> None:
+    """What ``load`` hands each rank's writer, and the buffer it fills, as they arrive."""
+    model = Bf16Net()
+    got: dict[str, torch.Tensor] = {}
+
+    def write(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        got["weight"] = value.clone()
+
+    load(model, path, write)
+    got["ids"] = model.ids.clone()
+    torch.save(got, f"{out}.{rank}")
+
+
+def test_bf16_weights_reach_every_rank_bit_for_bit_in_bf16(tmp_path: Path) -> None:
+    path, saved = bf16_file(tmp_path)
+    run_ranks(2, tmp_path, received, str(path), str(tmp_path / "got"))
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"got.{rank}", weights_only=True)
+        assert got["weight"].dtype == torch.bfloat16, (rank, got["weight"].dtype)
+        assert torch.equal(got["weight"].view(torch.int16), saved["weight"].view(torch.int16))
+        assert torch.equal(got["ids"], saved["ids"]), (rank, got["ids"])
+
+
 def test_train_refuses_bad_weights_before_anything_starts(tmp_path: Path) -> None:
     good, _ = pretrained(tmp_path)
     bad = rewrite(good, tmp_path / "bad.safetensors", {"ln_f.weight": torch.zeros(3)})

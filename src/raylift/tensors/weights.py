@@ -10,9 +10,10 @@ driver reads only the files' headers, where they are (ranged reads on an object 
 before any worker starts (:mod:`raylift.tensors.preflight`), and refuses a missing, extra
 or differently shaped tensor, or a file it cannot read, naming the tensor and the file.
 In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
-broadcasts it; every rank keeps its own shard of it (``raylift.tensors.init`` writers), so
-no rank ever holds more than one whole tensor beside its shards, and a node's host
-memory holds the weights once rather than once per worker.
+broadcasts it, bit for bit in the file's own dtype; every rank keeps its own shard of it
+(``raylift.tensors.init`` writers), so no rank ever holds more than one whole tensor
+beside its shards, and a node's host memory holds the weights once rather than once per
+worker.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -251,18 +252,22 @@ def load(
     with contextlib.ExitStack() as stack:
         # Rank 0 alone reads: only it needs the files on its machine.
         local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
-        shared: list[Any] = [check(model, local, named_as, key) if rank == 0 else {}]
+        # The plan, and each tensor's dtype: the other ranks allocate what rank 0 sends.
+        shared: list[Any] = [_planned(model, local, named_as, key, layout) if rank == 0 else None]
         named_as = named_as or base_tensors
         if dist.is_initialized():
             dist.broadcast_object_list(shared, src=0)
-        plan: Plan = shared[0]
+        if isinstance(shared[0], WeightsError):
+            raise shared[0]  # on every rank: none is left waiting for a tensor
+        plan, dtypes = cast(tuple[Plan, dict[str, torch.dtype]], shared[0])
         params = dict(named_as(model, model.named_parameters()))
         buffers = dict(named_as(model, model.named_buffers()))
         read = _Reader(stack)
         for name, (have, parts) in plan.items():
             value = layout.join(have, read(parts)) if rank == 0 else None
             target = params[name] if name in params else buffers[name]
-            value = _broadcast(value, tuple(getattr(target, "ds_shape", target.shape)))
+            shape = tuple(getattr(target, "ds_shape", target.shape))
+            value = _broadcast(value, shape, dtypes[name])
             if name in params:
                 write(params[name], value)
             else:
@@ -288,18 +293,80 @@ class _Reader:
         return out
 
 
-def _broadcast(value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
-    """Rank 0's tensor on every rank (fp32 on the host, whatever the backend)."""
+def _planned(
+    model: nn.Module, path: str, named_as: NamedAs | None, key: str, layout: Layout
+) -> tuple[Plan, dict[str, torch.dtype]] | WeightsError:
+    """The plan (:func:`check`) and each planned tensor's dtype as rank 0 will make it:
+    its file tensors' (their headers), joined on the meta device as ``layout`` joins them.
+    The WeightsError itself where the files do not fit, for every rank to raise."""
+    try:
+        return _plan_and_dtypes(model, path, named_as, key, layout)
+    except WeightsError as exc:
+        return exc
+
+
+def _plan_and_dtypes(
+    model: nn.Module, path: str, named_as: NamedAs | None, key: str, layout: Layout
+) -> tuple[Plan, dict[str, torch.dtype]]:
+    plan = check(model, path, named_as, key)
+    files = {where.split("::", 1)[0] for _, parts in plan.values() for where in parts}
+    found = {f"{file}::{n}": e for file in files for n, e in header_entries(file).items()}
+    dtypes = {}
+    for name, (have, parts) in plan.items():
+        meta = {
+            where.split("::", 1)[1]: torch.empty(
+                found[where]["shape"],
+                dtype=_dtype(found[where]["dtype"], where, key),
+                device="meta",
+            )
+            for where in parts
+        }
+        dtypes[name] = layout.join(have, meta).dtype
+    return plan, dtypes
+
+
+# A safetensors header's dtype names, as torch names them.
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+}  # fmt: skip
+
+
+def _dtype(name: str, where: str, key: str) -> torch.dtype:
+    dtype = getattr(torch, SAFETENSORS_DTYPES.get(name, ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightsError(
+            f"{key}: tensor {where.replace('::', ' in ')} is of dtype {name}, which this "
+            "torch cannot hold; convert the weights to bf16, fp16 or fp32"
+        )
+    return dtype
+
+
+def _broadcast(
+    value: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """Rank 0's tensor on every rank's host, bit for bit in its own ``dtype`` (a bf16 file
+    crosses the wire and sits in memory at 2 bytes an element): its bytes are sent, which
+    every backend carries whatever the dtype."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         assert value is not None
         return value
-    buf = value.float().contiguous() if value is not None else torch.empty(shape)
+    # Rank 0's join makes the planned dtype (``_planned``); the cast keeps both ends agreed.
+    out = value.to(dtype).contiguous() if value is not None else torch.empty(shape, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    wire = out.reshape(-1).view(torch.uint8)  # a view: received straight into ``out``
     if dist.get_backend() == "nccl":  # NCCL moves device tensors only
-        buf = buf.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.broadcast(buf, src=0)
-    return buf.cpu()
+        sent = wire.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.broadcast(sent, src=0)
+        wire.copy_(sent)
+    else:
+        dist.broadcast(wire, src=0)
+    return out
 
 
 def base_of(cfg: Any, weights: str | None) -> dict[str, str] | None:

@@ -179,6 +179,23 @@ def test_a_sqlite_stores_artifacts_live_beside_its_file_not_in_the_cwd(
     assert not (job / "mlruns").exists()
 
 
+def test_a_config_of_more_params_than_one_mlflow_batch_is_logged_whole(tmp_path: Path) -> None:
+    """MLflow's client cuts log_batch into batches of the store's size (100 params)."""
+    from mlflow.tracking import MlflowClient
+
+    from raylift.artifacts.tracking import start_run
+    from raylift.core.parsing import flatten
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    keys = [f"strategy.config.k{i}={i}" for i in range(60)]
+    cfg = load_config(QUICKSTART, [f"tracking.uri={uri}", "strategy.name=deepspeed", *keys])
+    assert len(flatten(cfg.to_dict())) > 100
+    run_id = start_run(cfg, str(tmp_path / "runs"), resume=False, world_size=1)
+    params = MlflowClient(tracking_uri=uri).get_run(run_id).data.params
+    assert params.keys() == flatten(cfg.to_dict()).keys()
+    assert params["strategy.config.k59"] == "59"
+
+
 @contextlib.contextmanager
 def committed_first(db: Path, before: str, sql: str, params: tuple[Any, ...]) -> Iterator[list]:
     """Another writer's ``sql``, committed on its own connection to the sqlite store ``db``

@@ -134,7 +134,13 @@ _IMPORTING = threading.Lock()
 def process_uri(uri: str) -> Iterator[None]:
     """MLflow resolves ``models:/`` and ``runs:/`` URIs through the process-wide tracking
     and registry URIs, whatever client is asked: both point at ``uri`` inside the block
-    (a registered version's source, a model's download), then back."""
+    (a registered version's source, a model's download), then back.
+
+    MLflow 3.17 takes the URIs as arguments but does not pass them on there:
+    ``download_artifacts(tracking_uri=, registry_uri=)`` resolves a ``models:/NAME/V``
+    through ``mlflow.get_registry_uri()`` and a logged model through ``MlflowClient()``,
+    and a sqlite registry's ``create_model_version`` looks a ``models:/ID`` source up with
+    ``MlflowClient()`` too. tests/unit/test_library_private.py says when that changes."""
     import mlflow
 
     before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
@@ -278,9 +284,8 @@ def _start_run(
     if run_id is None:
         exp_id = experiment_id(mlflow, cfg.tracking.experiment, artifact_location(uri))
         run_id = mlflow.create_run(exp_id, tags=tags).info.run_id
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
-            mlflow.log_batch(run_id, params=items[i : i + 100])
+        # The client cuts a batch into the store's limit (100 params) itself.
+        mlflow.log_batch(run_id, params=[Param(k, v) for k, v in params.items()])
         return str(run_id)
     mlflow.update_run(run_id, status="RUNNING")
     old = mlflow.get_run(run_id).data.params

@@ -168,8 +168,8 @@ class params_on_meta:  # lower case: it reads as the function it replaced, ``wit
         return run
 
     def _to_meta(self, module: nn.Module) -> None:
-        for name, p in list(module._parameters.items()):
-            if p is None or p.is_meta:
+        for name, p in own_params(module):
+            if p.is_meta:
                 continue
             twin = self._twins.get(id(p))
             if twin is None or twin[0]() is not p:
@@ -177,7 +177,7 @@ class params_on_meta:  # lower case: it reads as the function it replaced, ``wit
                 if not resets_itself(module):
                     self.kept[id(meta)] = p.detach()
                 twin = self._twins[id(p)] = (weakref.ref(p), meta)
-            module._parameters[name] = twin[1]
+            module.register_parameter(name, twin[1])
 
     def _copy_kept(self, param: nn.Parameter, memo: dict[int, Any]) -> nn.Parameter:
         # torch's own clones (nn.TransformerEncoder's layers) deep-copy built modules.
@@ -213,15 +213,14 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for m in model.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((m, name))
+        for name, p in own_params(m):
+            owners.setdefault(id(p), []).append((m, name))
     model.to_empty(device=device)
     # to_empty gives each module a new parameter: tied ones (embeddings and head) would
     # come apart. Every owner gets the first one's again, as FSDP2 registers them.
     for (first, first_name), *others in owners.values():
         for m, name in others:
-            m._parameters[name] = first._parameters[first_name]
+            m.register_parameter(name, getattr(first, first_name))
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
@@ -265,21 +264,20 @@ def whole(module: nn.Module, write: Writer, touched: dict[int, str], by: str) ->
     """``module``'s own parameters as whole host tensors while inside; written back after,
     each one it set recorded in ``touched`` as set ``by`` this pass."""
     swapped: dict[str, nn.Parameter] = {}
-    for name, p in module._parameters.items():
-        if p is not None:
-            # Drawn in fp32 even for bf16 parameters, as an eagerly built model is
-            # (it is initialised before the strategy casts it).
-            dtype = torch.float32 if p.is_floating_point() else p.dtype
-            # NaN marks "not set": what the init leaves alone keeps its earlier value.
-            temp = torch.full(full_shape(p), math.nan, dtype=dtype, device="cpu")
-            swapped[name] = p
-            module._parameters[name] = nn.Parameter(temp, requires_grad=p.requires_grad)
+    for name, p in own_params(module):
+        # Drawn in fp32 even for bf16 parameters, as an eagerly built model is
+        # (it is initialised before the strategy casts it).
+        dtype = torch.float32 if p.is_floating_point() else p.dtype
+        # NaN marks "not set": what the init leaves alone keeps its earlier value.
+        temp = torch.full(full_shape(p), math.nan, dtype=dtype, device="cpu")
+        swapped[name] = p
+        module.register_parameter(name, nn.Parameter(temp, requires_grad=p.requires_grad))
     try:
         yield
     finally:
         for name, original in swapped.items():
-            drawn = module._parameters[name]
-            module._parameters[name] = original
+            drawn = getattr(module, name, None)
+            module.register_parameter(name, original)
             assert drawn is not None, f"{name} was removed during its initialisation"
             if _is_set(module, name, drawn.detach()):
                 write(original, drawn.detach())
@@ -312,8 +310,13 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
     return out
 
 
+def own_params(m: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``m``'s own parameters (not its children's), every name of each."""
+    return list(m.named_parameters(recurse=False, remove_duplicate=False))
+
+
 def _own_params(m: nn.Module) -> bool:
-    return any(p is not None for p in m._parameters.values())
+    return bool(own_params(m))
 
 
 InitFn = Callable[[nn.Module], None]

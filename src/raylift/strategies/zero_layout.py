@@ -7,6 +7,15 @@ DeepSpeed's own way to change the world size converts the whole checkpoint into 
 layouts below are DeepSpeed's (as its ``zero_to_fp32`` reads them): ZeRO-1/2 lay each
 parameter group out as one flat vector, cut into one piece per rank; ZeRO-3 cuts each
 weight into one padded piece per rank and lays a rank's pieces end to end.
+
+DeepSpeed's public setters (``deepspeed.utils.safe_set_full_*`` / ``safe_set_local_*``)
+cannot do this load: on an engine that has not stepped yet (a resume's) the Adam moments
+they write do not exist (ZeRO-1/2 link them at the first step, ZeRO-3's torch optimizer
+makes them there), with or without offload, in fp32 and bf16 alike; the master weights
+they set leave the module's own weights as they were; and ZeRO-1/2 have only the "full"
+setter, which needs the whole weight on every rank. So DeepSpeed's own universal load
+runs, and only its per-weight read is replaced; what that relies on of DeepSpeed's
+internals is pinned by tests/unit/test_library_private.py.
 """
 
 from __future__ import annotations

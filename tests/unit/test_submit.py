@@ -38,11 +38,26 @@ def test_runtime_env_ships_the_folder_and_the_extras_the_config_needs(tmp_path: 
     assert ".git" in env["excludes"] and "mlflow.db" in env["excludes"]
     assert env["env_vars"]["RAY_TRAIN_ENABLE_PRINT_PATCH"] == "0"
     ds = runtime_env(load_config(QUICKSTART, ["strategy.name=deepspeed"]), tmp_path)
-    assert ds["pip"] == ["deepspeed>=0.19"]
+    assert ds["pip"] == ["deepspeed>=0.19,<0.20"]
     from raylift.commands.submit import pip_packages
     from raylift.core.config import Config
 
-    assert pip_packages(Config(task="hf-causal-lm")) == ["transformers>=4.45"]  # raylift[hf]
+    assert pip_packages(Config(task="hf-causal-lm")) == ["transformers>=5.0,<5.25"]  # raylift[hf]
+
+
+def test_a_job_installs_the_versions_pyproject_allows() -> None:
+    """The bounds in pyproject.toml (the versions raylift's tests ran against) hold on a
+    cluster too: each package a job installs is spelled as one of raylift's extras."""
+    import tomllib
+
+    from raylift.commands.submit import TASK_EXTRAS
+    from raylift.strategies import REGISTRY
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = {p for group in extras["optional-dependencies"].values() for p in group}
+    shipped = {p for spec in REGISTRY.values() for p in spec.extras}
+    shipped |= {p for packages in TASK_EXTRAS.values() for p in packages}
+    assert shipped and shipped <= declared, sorted(shipped - declared)
 
 
 def test_no_secret_travels_in_the_runtime_env(

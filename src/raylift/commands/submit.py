@@ -51,7 +51,7 @@ def pip_packages(cfg: Config) -> list[str]:
 
 
 # Built-in tasks whose packages are an optional extra of raylift's (pip install raylift[hf]).
-TASK_EXTRAS = {"hf-causal-lm": ["transformers>=4.45"]}
+TASK_EXTRAS = {"hf-causal-lm": ["transformers>=5.0,<5.25"]}
 
 
 def runtime_env(cfg: Config, working_dir: Path, in_place: bool = False) -> dict[str, Any]:

@@ -23,8 +23,8 @@ an upgrade that changes one says what to mend:
   public ``distribute_tensor(..., src_data_rank=None)`` keeps the same slice but first
   moves the whole tensor to the mesh's device (every rank's GPU would hold each weight
   whole) and copies the shard again (2.5-5x slower on the CPU here);
-- ``run.plan.activation_bytes``: a storage's ``_cdata``, which tells storages apart on the
-  meta device, where every ``data_ptr()`` is 0;
+- ``run.plan.saved_activation_bytes``: a storage's ``_cdata``, which tells storages
+  apart on the meta device, where every ``data_ptr()`` is 0;
 - ``run.loop.compile_criterion``: ``_torchdynamo_orig_callable``, the mark of a callable
   torch.compile made;
 - ``tensors.lazytorch``: torch.save's pickle names (``torch._utils._rebuild_tensor_v2``,
@@ -40,10 +40,10 @@ an upgrade that changes one says what to mend:
   MLflow's process-wide URIs, which MLflow 3.17 resolves ``models:/`` and ``runs:/``
   through even where it takes ``tracking_uri``/``registry_uri`` arguments.
 
-Left to their own modules' owners, and listed in ``KNOWN`` below: ``tensors.ranged``
-(a DCP ``FileSystemReader`` subclass setting its ``fs`` and ``path`` and reading its
-``storage_data``), ``tensors.streaming`` (DCP's ``.metadata`` and ``storage_data`` read
-directly) and ``core.storage`` (none found).
+Not pinned here: ``tensors.ranged`` (a DCP ``FileSystemReader`` subclass that sets its
+``fs`` and ``path`` and reads its ``storage_data``) and ``tensors.streaming`` (DCP's
+``.metadata`` and ``storage_data`` read directly), whose tests read real checkpoints with
+them; ``core.storage`` reaches no private name.
 """
 
 from __future__ import annotations

@@ -43,6 +43,9 @@ def test_runtime_env_ships_the_folder_and_the_extras_the_config_needs(tmp_path: 
     from raylift.core.config import Config
 
     assert pip_packages(Config(task="hf-causal-lm")) == ["transformers>=5.0,<5.25"]  # raylift[hf]
+    sft = Config(task="hf-sft")
+    sft.model.adapter.type = "lora"
+    assert pip_packages(sft) == ["transformers>=5.0,<5.25", "peft>=0.15"]
 
 
 def test_a_job_installs_the_versions_pyproject_allows() -> None:
@@ -50,13 +53,13 @@ def test_a_job_installs_the_versions_pyproject_allows() -> None:
     cluster too: each package a job installs is spelled as one of raylift's extras."""
     import tomllib
 
-    from raylift.commands.submit import TASK_EXTRAS
+    from raylift.commands.submit import ADAPTER_EXTRA, TASK_EXTRAS
     from raylift.strategies import REGISTRY
 
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     declared = {p for group in extras["optional-dependencies"].values() for p in group}
     shipped = {p for spec in REGISTRY.values() for p in spec.extras}
-    shipped |= {p for packages in TASK_EXTRAS.values() for p in packages}
+    shipped |= {p for packages in TASK_EXTRAS.values() for p in packages} | {ADAPTER_EXTRA}
     assert shipped and shipped <= declared, sorted(shipped - declared)
 
 

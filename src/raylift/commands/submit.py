@@ -47,11 +47,16 @@ def pip_packages(cfg: Config) -> list[str]:
     if (cfg.tune or {}).get("search") == "optuna":
         packages.append("optuna>=3")
     packages += TASK_EXTRAS.get(cfg.task, [])
+    if cfg.model.adapter.type:
+        packages.append(ADAPTER_EXTRA)
     return packages
 
 
-# Built-in tasks whose packages are an optional extra of raylift's (pip install raylift[hf]).
-TASK_EXTRAS = {"hf-causal-lm": ["transformers>=5.0,<5.25"]}
+# Built-in tasks whose packages are an optional extra of raylift's (pip install raylift[hf]),
+# and the one adapters need, spelled as pyproject.toml spells them.
+TRANSFORMERS = "transformers>=5.0,<5.25"
+TASK_EXTRAS = {"hf-causal-lm": [TRANSFORMERS], "hf-sft": [TRANSFORMERS]}
+ADAPTER_EXTRA = "peft>=0.15"
 
 
 def runtime_env(cfg: Config, working_dir: Path, in_place: bool = False) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from raylift.core import console, storage
 from raylift.core.config import ConfigError, EnvironmentProblem
-from raylift.core.errors import SourceError
+from raylift.core.errors import RefusedPickle, SourceError
 from raylift.core.parsing import RUN_CONFIG, run_config_text
 from raylift.core.runlock import RunLocked
 from raylift.core.startup import Startup, process_start
@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-config",
         help="the cluster's `ray up` YAML: its node types say what the autoscaler can add",
     )
-    ver = verbs.add_parser("verify", help="check a run's checkpoints (sizes, checksums) offline")
+    ver = verbs.add_parser(
+        "verify", help="check a run's checkpoints (sizes, checksums, pickles) offline"
+    )
     ver.add_argument("run", help="a run folder: storage/name, e.g. runs/digits-ddp")
     return parser
 
@@ -187,7 +189,8 @@ def _export_hf(args: argparse.Namespace) -> tuple[Any, int]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 0 when the newest checkpoint is intact, 1 when only older ones are, 2 when none."""
+    """Exit 0 when the newest checkpoint is intact, 1 when only older ones are, 2 when none
+    is or when any holds a file whose pickle is refused (raylift would load it nowhere)."""
 
     from raylift.tensors.checkpoints import verify_run
 
@@ -198,6 +201,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(_run_summary(args.run))
     for ckpt, problem in results:
         print(f"{storage.name(ckpt)}: {'intact' if problem is None else problem}")
+    refused = [storage.name(c) for c, problem in results if isinstance(problem, RefusedPickle)]
+    if refused:
+        print(
+            f"raylift: {', '.join(refused)} of {args.run} hold(s) a file whose pickle raylift "
+            "refuses: a resume, an export or a logged model stops there, never loading it",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     intact = [c for c, problem in results if problem is None]
     if not intact:
         print("raylift: no intact checkpoint; a rerun starts over", file=sys.stderr)
@@ -445,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return COMMANDS[args.verb](args)
-    except (ConfigError, EnvironmentProblem) as exc:
+    except (ConfigError, EnvironmentProblem, RefusedPickle) as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -25,6 +25,7 @@ from raylift.tensors.checkpoints import (
     CheckpointError,
     CheckpointReader,
     check_listing,
+    check_pickles,
     checkpoint_dirs,
     newest_complete,
     previous_complete,
@@ -94,13 +95,17 @@ def each_tensor(
     checkpoint used and what ``write`` returns. Every engine's checkpoint streams: one
     tensor at a time, only the model's bytes read (never the optimizer's), each block
     checked as it arrives; a damaged one is reported and the one before it written
-    instead. A tied weight comes once, under its first name (``aliased``: under each)."""
+    instead. Every pickle in the checkpoint is checked first (``check_pickles``): one that
+    names anything off the list stops the export (``RefusedPickle``), with nothing
+    written and no fallback. A tied weight comes once, under its first name (``aliased``:
+    under each)."""
     require_checkpoint(path)
     explicit = storage.is_file(storage.join(path, LOOP_FILE))
     ckpt = path if explicit else newest_complete(path, log, check_listing)
     while ckpt is not None:
         try:
             reader = CheckpointReader(ckpt)
+            check_pickles(reader)
             spec = REGISTRY.get(reader.loop_state().get("strategy", ""))
             if spec is None:
                 raise CheckpointError(f"{ckpt}: written by an unknown strategy")

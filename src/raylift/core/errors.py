@@ -28,3 +28,12 @@ def first_line(exc: BaseException) -> str:
 
 class SourceError(ValueError):
     """A task's raw data cannot be read: the message names the path and what is wrong."""
+
+
+class RefusedPickle(Exception):
+    """A file raylift would unpickle names something no file of its kind holds: refused,
+    nothing of it run (:mod:`raylift.tensors.pickles`). The message names the file and
+    the global. Not a checkpoint's ordinary damage on purpose: a resume passes over a
+    damaged checkpoint to the one before it, and a planted file must stop the command
+    where it is seen instead. One argument, its message, so that it crosses processes
+    (DCP gathers each rank's error, Ray a worker's) as it was raised."""

@@ -19,7 +19,9 @@ from raylift.tensors.checkpoints import (
     LOOP_FILE,
     CheckpointError,
     CheckpointReader,
+    RefusedPickle,
     agree_across,
+    problem_of,
     rng_file,
     rng_state,
     same_base,
@@ -62,7 +64,7 @@ def load_checkpoint(
     same_base(directory, state.get("base"), base)
     try:
         engine.load(reader)
-    except CheckpointError:
+    except (CheckpointError, RefusedPickle):
         raise
     except Exception as exc:
         raise CheckpointError(
@@ -116,8 +118,9 @@ class Checkpointer:
                 load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy, self.base),
                 None,
             )
-        except CheckpointError as exc:
-            reader, saved, problem = None, {}, str(exc)
+        except (CheckpointError, RefusedPickle) as exc:
+            # A refused file stays one on every rank: the resume never passes over it.
+            reader, saved, problem = None, {}, problem_of(exc)
         agree(problem)
         read = self.bytes_read = sum(gather(self.ctx.world_size, reader.read if reader else 0))
         total = sum(f.size for f in reader.files.values()) if reader else 0

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from raylift.core.config import Config, ConfigError
+from raylift.core.errors import RefusedPickle
 from raylift.core.storage import StorageError
 from raylift.run.check import worker_resources
 from raylift.run.faults import Crash, cause, died, primary
@@ -82,6 +83,8 @@ def failure_message(exc: BaseException, cfg: Config, tracking: Any = None) -> st
         trace, head = "", f"training run {cfg.name!r} failed: {text[-1] if text else root!r}"
     if (refused := root_of(exc, StorageError)) is not None:
         return f"training run {cfg.name!r} failed: {refused}"
+    if (hostile := root_of(exc, RefusedPickle)) is not None:  # a planted file: said alone
+        return f"training run {cfg.name!r} failed: {hostile}"
     if isinstance(wrong := root_of(exc, ConfigError), ConfigError):  # found by the workers
         return f"training run {cfg.name!r} failed: {'; '.join(wrong.problems)}"
     if "No space left on device" in str(root) or getattr(root, "errno", None) == errno.ENOSPC:

@@ -21,7 +21,7 @@ from typing import Any
 from raylift.artifacts import mlmodel, tracking, tracking_service
 from raylift.core import console, runlock, storage
 from raylift.core.config import Config, ConfigError, EnvironmentProblem
-from raylift.core.errors import first_line
+from raylift.core.errors import RefusedPickle, first_line
 from raylift.core.parsing import RUN_CONFIG
 from raylift.core.startup import Startup
 from raylift.core.storage import StorageError
@@ -53,8 +53,9 @@ class RunFailed(RuntimeError):
 
 
 class StorageFailed(RunFailed):
-    """The run's storage failed it mid-run, or its workers found a setting wrong (a
-    resume on another base): exit 2, the fix is outside the code."""
+    """The run's storage failed it mid-run, its workers found a setting wrong (a resume
+    on another base), or a checkpoint file they were to load was refused: exit 2, the fix
+    is outside the code."""
 
 
 @dataclasses.dataclass
@@ -332,6 +333,10 @@ def log_run_model(
         return None
     try:
         return mlmodel.log_model(store, run_id, cfg, run_dir, cfg.tracking.log_model, log)
+    except RefusedPickle as exc:  # planted since the workers wrote it: nothing was logged
+        raise StorageFailed(
+            f"training run {cfg.name!r} finished; its model was not logged: {exc}"
+        ) from exc
     except Exception as exc:
         raise RunFailed(
             f"training run {cfg.name!r} finished, but logging its model to MLflow failed: "
@@ -448,7 +453,11 @@ def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
         if caused_by(exc, "WorkerGroupStartupTimeoutError"):
             raise RunFailed(placement_message(spec.config)) from exc
         said = failure_message(exc, spec.config, spec.tracking)
-        refused = root_of(exc, StorageError) or root_of(exc, ConfigError)
+        refused = (
+            root_of(exc, StorageError)
+            or root_of(exc, ConfigError)
+            or root_of(exc, RefusedPickle)  # a planted checkpoint file: exit 2, as bad input
+        )
         failed = StorageFailed if refused else RunFailed
         raise failed(said) from exc
     finally:

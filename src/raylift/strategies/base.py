@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raylift.tensors.precision import Precision
-from raylift.tensors.ranged import Files, dcp_reader
+from raylift.tensors.ranged import Files, dcp_planner, dcp_reader, together
 from raylift.tensors.streaming import DCPModel
 
 # Writes a part taken by ``save`` (from any thread); where each item starts, by file.
@@ -157,9 +157,11 @@ class DCPState:
 
         model_sd, optim_sd = self._state()
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        # Its .metadata read, and checked, by every rank before DCP's collectives.
+        reader = together(files, lambda: dcp_reader(files, folder))
         # DCP's planner picks the ranges this rank's shards need; only those are read.
         try:
-            dcp.load(state, storage_reader=dcp_reader(files, folder))
+            dcp.load(state, storage_reader=reader, planner=dcp_planner())
         except dcp.CheckpointException as exc:
             raise first_failure(exc) from None
         set_state_dict(

@@ -27,6 +27,7 @@ from torch import nn
 
 from raylift.core import storage
 from raylift.core.config import Config
+from raylift.core.errors import RefusedPickle
 from raylift.core.parsing import merge
 from raylift.strategies.base import (
     Write,
@@ -57,6 +58,7 @@ from raylift.tensors.checkpoints import CheckpointError
 from raylift.tensors.init import Initializer, write_in_place, write_zero3
 from raylift.tensors.lazytorch import load_lazy
 from raylift.tensors.optim import build_optimizer
+from raylift.tensors.pickles import load_torch
 from raylift.tensors.precision import Precision
 from raylift.tensors.ranged import Files
 
@@ -243,12 +245,6 @@ def leave_out_tied_frozen(ds_engine: Any) -> None:
     ds_engine.module_state_dict = module_state_dict
 
 
-def _load_any(f: IO[bytes]) -> Any:
-    # DeepSpeed's files pickle more than tensors (its config, enums); DeepSpeed itself
-    # loads them whole, and their bytes are checked against the checksums written with them.
-    return torch.load(f, map_location="cpu", weights_only=False)
-
-
 def part_files(config: Any) -> Any:
     """DeepSpeed's checkpoint engine for raylift: a save can hold its files in host memory
     to write them later (``holding``, then ``write_held`` from any thread), and a load
@@ -285,7 +281,9 @@ def part_files(config: Any) -> Any:
                 # ZeRO-3 loads its model states twice; each caller may edit its dict.
                 found = self.loaded[path]
                 return dict(found) if isinstance(found, dict) else found
-            return super().load(path, map_location=map_location)
+            # DeepSpeed's own engine loads with weights_only=False: never here.
+            with open(path, "rb") as f:
+                return load_torch(f, path, map_location or "cpu")
 
     return PartFiles()
 
@@ -426,10 +424,11 @@ class DeepSpeedEngine:
         the saved partitions and checked before DeepSpeed starts (zero_layout)."""
         # The model states DeepSpeed's universal load opens: the shared file, or rank 0's.
         shared = [n for n in names if n.endswith("model_states.pt") and not partition_of(n)]
-        loaded = files.load_each(shared, _load_any)
+        loaded = files.load_each(shared, load_torch)
         stage = self.ds.zero_optimization_stage()
         optim = sorted((n for n in names if n.endswith("optim_states.pt")), key=rank_order)
-        got, problem = {}, None
+        got: Any = {}
+        problem: str | RefusedPickle | None = None
         try:
             parts = [
                 load_lazy(cast(IO[bytes], files.open(n)))["optimizer_state_dict"] for n in optim
@@ -439,6 +438,8 @@ class DeepSpeedEngine:
             step, groups = saved_step(parts), saved_groups(parts)
         except CheckpointError as exc:
             problem = str(exc)
+        except RefusedPickle as exc:  # as itself on every rank: never passed over
+            problem = exc
         files.agree(problem)
         with storage.scratch("ds-names") as tmp:
             root = Path(tmp)
@@ -458,7 +459,7 @@ class DeepSpeedEngine:
         loaded and checked before DeepSpeed starts (whose collectives no rank may leave
         midway), then handed to it by path. Empty files stand in for them on local disk,
         as DeepSpeed finds its model states by listing the folder."""
-        loaded = files.load_each(names, _load_any)
+        loaded = files.load_each(names, load_torch)
         with storage.scratch("ds-names") as tmp:
             root = Path(tmp)
             for name in names:

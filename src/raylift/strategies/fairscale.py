@@ -27,6 +27,7 @@ from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 from raylift.tensors.adapters import keep_trainable_fp32
 from raylift.tensors.init import Initializer, write_in_place
 from raylift.tensors.optim import implementation, optimizer_class_and_kwargs, param_groups
+from raylift.tensors.pickles import load_torch
 from raylift.tensors.precision import PRECISIONS, Precision
 from raylift.tensors.ranged import Files
 from raylift.tensors.streaming import LazyModel, saved_model
@@ -81,7 +82,7 @@ class ConsolidatedState:
         # One consolidated file: every rank reads it whole and keeps its own partition.
         with files.open(f"{folder}/{STATE_FILE}") as f:
             try:
-                state = torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
+                state = load_torch(cast(IO[bytes], f))
             except Exception as exc:  # torch's C++ reader hides a damaged block's error
                 failed = getattr(f, "failed", None)
                 if failed is not None:

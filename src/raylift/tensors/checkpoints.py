@@ -3,8 +3,17 @@
 A checkpoint folder holds the engine's sharded model and optimizer state
 (``engine/``, written by every rank), the loop's state (``loop_state.pt``:
 step, epoch, data position, LR schedule, early stopping, scaler; written by
-rank 0) and each rank's RNG state. Everything is read back with
-``torch.load(weights_only=True)``: no pickled code is ever executed.
+rank 0) and each rank's RNG state.
+
+What is trusted: nothing in the folder. Every pickle in it (each ``torch.save`` file's,
+each item of a DCP file, DCP's ``.metadata``) is first run dry on stand-ins, each global
+it names looked up in an explicit list of the pairs that these checkpoints hold
+(:data:`raylift.tensors.pickles.CHECKPOINT`): a file naming anything else is refused,
+naming the file and the global (:class:`~raylift.tensors.pickles.RefusedPickle`), before
+anything of it is built; a resume, an export, ``raylift verify`` alike, and none of them
+passes over it to an older checkpoint. Files that pass are built by loaders that admit
+the same list (``torch.load(weights_only=True)``, the restricted unpickler). So a folder
+someone else can write can stop a run, or give it wrong numbers, but not run code.
 
 Each rank ends its part with ``complete-rank<r>.json``: the size of every file it wrote,
 its xxh3-64 checksum, and one per 1 MiB block. A checkpoint is complete when every rank's
@@ -34,22 +43,26 @@ import torch
 
 from raylift.core import storage
 from raylift.core.config import ConfigError
+from raylift.core.errors import RefusedPickle
 from raylift.tensors.lazytorch import LOCAL_HEADER, data_start
+from raylift.tensors.pickles import check_torch_file, load_torch
 from raylift.tensors.ranged import (
     BLOCK,
+    METADATA,
     CheckpointError,
     Listed,
     VerifiedFile,
     Window,
     block_digests,
     block_starts,
+    dcp_metadata,
 )
 
 FORMAT = 1
 LOOP_FILE = "loop_state.pt"
 
 
-__all__ = ["CheckpointError", "CheckpointReader"]
+__all__ = ["CheckpointError", "CheckpointReader", "RefusedPickle"]
 
 
 def rng_file(rank: int) -> str:
@@ -199,7 +212,8 @@ def _entry(name: str, entry: Any, rank: int) -> Listed:
 def verify_checkpoint(directory: str) -> None:
     """Raise :class:`CheckpointError` unless every rank finished writing ``directory``
     (a local folder or a URI) and every file's bytes match their checksums: a whole
-    read of the checkpoint (``raylift verify``, export; a restore checks as it reads)."""
+    read of the checkpoint (``raylift verify``, export; a restore checks as it reads);
+    then :class:`RefusedPickle` unless every pickle in it passes :func:`check_pickles`."""
     for name, listed in sorted(listing(directory).items()):
         whole = listed.whole
         if whole is not None and file_digest(storage.join(directory, name)) != whole:
@@ -207,6 +221,40 @@ def verify_checkpoint(directory: str) -> None:
                 f"checkpoint {directory} is corrupt: {name} does not match the checksum rank "
                 f"{listed.writer} recorded when it wrote it (same size, different content)"
             )
+    check_pickles(CheckpointReader(directory))
+
+
+def check_pickles(reader: CheckpointReader) -> int:
+    """Every pickle a restore or an export of the checkpoint could unpickle, checked
+    against the list without running any of it: every ``torch.save`` file, DCP's
+    ``.metadata`` and each item of the DCP files it indexes. :class:`RefusedPickle` for
+    the first that names anything else; the number checked otherwise."""
+    checked = 0
+    for name in sorted(reader.files):
+        try:
+            if name.endswith(".pt"):
+                with reader.open(name) as f:
+                    check_torch_file(cast(IO[bytes], f))
+                checked += 1
+            elif name.rsplit("/", 1)[-1] == METADATA:
+                checked += 1 + _check_dcp_items(reader, name.rsplit("/", 1)[0])
+        except zipfile.BadZipFile as exc:  # no archive at all: damage, nothing unpickled
+            raise CheckpointError(f"checkpoint {reader.directory} is corrupt: {exc}") from exc
+    return checked
+
+
+def _check_dcp_items(reader: CheckpointReader, folder: str) -> int:
+    meta = dcp_metadata(reader, folder)
+    by_file: dict[str, list[Any]] = {}
+    for info in meta.storage_data.values():
+        by_file.setdefault(info.relative_path, []).append(info)
+    for path, items in sorted(by_file.items()):
+        with reader.open(f"{folder}/{path}") as f:
+            for info in sorted(items, key=lambda i: i.offset):
+                view = Window(cast(IO[bytes], f), info.offset, info.length)
+                at = f"{f.path} (bytes {info.offset}-{info.offset + info.length})"
+                check_torch_file(cast(IO[bytes], view), at)
+    return sum(len(items) for items in by_file.values())
 
 
 def check_listing(directory: str) -> None:
@@ -263,15 +311,16 @@ def checkpoint_dirs(run_dir: str) -> list[str]:
     return [storage.join(run_dir, n) for n in sorted(names, key=checkpoint_step)]
 
 
-def verify_run(run_dir: str) -> list[tuple[str, str | None]]:
-    """Every checkpoint of a run folder, oldest first, with its problem (None: intact)."""
-    out: list[tuple[str, str | None]] = []
+def verify_run(run_dir: str) -> list[tuple[str, CheckpointError | RefusedPickle | None]]:
+    """Every checkpoint of a run folder, oldest first, with its problem (None: intact; a
+    :class:`RefusedPickle` where a file's pickle names anything off the list)."""
+    out: list[tuple[str, CheckpointError | RefusedPickle | None]] = []
     for ckpt in checkpoint_dirs(run_dir):
         try:
             verify_checkpoint(ckpt)
             out.append((ckpt, None))
-        except CheckpointError as exc:
-            out.append((ckpt, str(exc)))
+        except (CheckpointError, RefusedPickle) as exc:
+            out.append((ckpt, exc))
     return out
 
 
@@ -304,6 +353,8 @@ def newest_written(run_dir: str) -> str | None:
             world = int(read_loop_state(candidate).get("world_size", 1))
         except CheckpointError:  # cut off (a full disk): the restart passes over it too
             continue
+        except RefusedPickle:  # the restart refuses it too, loudly: it does not pass over it
+            return candidate
         if all(done_file(r) in names for r in range(world)):
             return candidate
     return None
@@ -321,8 +372,8 @@ def read_loop_state(directory: str | Path) -> dict[str, Any]:
 
 def _loop_state(directory: str, data: Any) -> dict[str, Any]:
     try:
-        state = torch.load(data, weights_only=True)
-    except CheckpointError:
+        state = load_torch(data, storage.join(directory, LOOP_FILE))
+    except (CheckpointError, RefusedPickle):
         raise
     except Exception as exc:
         if getattr(data, "failed", None) is not None:  # a damaged block, read through C++
@@ -339,25 +390,37 @@ def _loop_state(directory: str, data: Any) -> dict[str, Any]:
     return dict(state)
 
 
-def _alone(problem: str | None) -> None:
+Problem = str | RefusedPickle | None
+Agree = Callable[[Problem], None]
+
+
+def _alone(problem: Problem) -> None:
+    if isinstance(problem, RefusedPickle):
+        raise problem
     if problem:
         raise CheckpointError(problem)
 
 
-def agree_across(world: int) -> Callable[[str | None], None]:
-    """A collective verdict: every rank raises the first problem any rank found, so no
-    rank goes on into a loader's collectives while another has given up."""
+def agree_across(world: int) -> Agree:
+    """A collective verdict: every rank raises the first problem any rank found (a
+    refused pickle as itself, anything else as a :class:`CheckpointError`), so no rank
+    goes on into a loader's collectives while another has given up."""
     if world == 1:
         return _alone
 
-    def agree(problem: str | None) -> None:
+    def agree(problem: Problem) -> None:
         import torch.distributed as dist
 
-        found: list[str | None] = [None] * world
+        found: list[Problem] = [None] * world
         dist.all_gather_object(found, problem)
         _alone(next((p for p in found if p), None))
 
     return agree
+
+
+def problem_of(exc: CheckpointError | RefusedPickle) -> Problem:
+    """What a rank hands :func:`agree_across`: a refusal as itself, else its message."""
+    return exc if isinstance(exc, RefusedPickle) else str(exc)
 
 
 class CheckpointReader:
@@ -365,7 +428,7 @@ class CheckpointReader:
     they are in the ranges a loader asks for, each block checked against the checksum
     its writer recorded as it arrives. ``read`` counts the bytes fetched."""
 
-    def __init__(self, directory: str, agree: Callable[[str | None], None] = _alone):
+    def __init__(self, directory: str, agree: Agree = _alone):
         self.directory, self.agree = directory, agree
         self.files = listing(directory)
         self.read = 0
@@ -400,12 +463,11 @@ class CheckpointReader:
         self.read += n
 
     def load(self, name: str, load: Callable[[IO[bytes]], Any] | None = None) -> Any:
-        """``load`` of one file; by default ``torch.load``, tensors only, to the CPU."""
+        """``load`` of one file; by default :func:`~raylift.tensors.pickles.load_torch`
+        (its pickle checked against the list, then ``torch.load(weights_only=True)``)."""
         with self.open(name) as f:
             try:
-                if load is None:
-                    return torch.load(cast(IO[bytes], f), weights_only=True, map_location="cpu")
-                return load(cast(IO[bytes], f))
+                return (load or load_torch)(cast(IO[bytes], f))
             except Exception as exc:
                 if f.failed is not None:  # a damaged block, read through torch's C++ reader
                     raise f.failed from exc
@@ -415,12 +477,12 @@ class CheckpointReader:
         """Collective: ``load`` of each of ``names``, read once and checked as read; all
         ranks raise the first problem any rank found, before a loader's collectives."""
         loaded: dict[str, Any] = {}
-        problem = None
+        problem: Problem = None
         try:
             for name in names:
                 loaded[name] = self.load(name, load)
-        except CheckpointError as exc:
-            problem = str(exc)
+        except (CheckpointError, RefusedPickle) as exc:
+            problem = problem_of(exc)
         self.agree(problem)
         return loaded
 

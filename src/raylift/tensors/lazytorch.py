@@ -5,7 +5,9 @@ reference to a storage record) and one uncompressed record per storage. ``torch.
 reads every record; an export of a DeepSpeed checkpoint wants the fp32 weights out of
 files that hold them beside the two Adam moments, each as large. :func:`load_lazy`
 unpickles the structure with each tensor replaced by a :class:`LazyTensor` that knows
-where its bytes are in the file and reads only the elements asked for.
+where its bytes are in the file and reads only the elements asked for. The pickle is
+checked first (:func:`raylift.tensors.pickles.check`) and built only from what
+:data:`raylift.tensors.pickles.CHECKPOINT` lists.
 """
 
 from __future__ import annotations
@@ -19,12 +21,8 @@ from typing import IO, Any
 
 import torch
 
-# What a checkpoint's pickle may build besides tensors: containers and the training
-# libraries' own records (DeepSpeed's loss scaler, fragment addresses), never a callable
-# such as ``builtins.eval``.
-TRUSTED_ROOTS = ("torch", "collections", "deepspeed", "fairscale", "numpy", "raylift")
-BUILTIN_TYPES = {"object", "set", "frozenset", "slice", "complex", "bytearray", "range",
-                 "dict", "list", "tuple", "int", "float", "str", "bool", "bytes"}  # fmt: skip
+from raylift.tensors.pickles import CHECKPOINT, check_torch_file, path_of, refusal
+
 LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip member's local header: lengths at 26
 
 
@@ -61,9 +59,13 @@ class LazyTensor:
         return self.read().view(self.shape)
 
 
-def load_lazy(f: IO[bytes]) -> Any:
+def load_lazy(f: IO[bytes], where: str | None = None) -> Any:
     """The object ``torch.save`` wrote to ``f`` (a seekable file), every tensor in it a
-    :class:`LazyTensor`: only the zip's directory and the pickle are read."""
+    :class:`LazyTensor`: only the zip's directory and the pickle are read. A pickle that
+    names anything off the list is refused (:class:`~raylift.tensors.pickles.RefusedPickle`,
+    naming ``where``: by default the file's path) before anything of it is built."""
+    where = where or path_of(f)
+    check_torch_file(f, where)
     archive = zipfile.ZipFile(f)
     pickled = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
     root = pickled[: -len("data.pkl")]
@@ -74,7 +76,7 @@ def load_lazy(f: IO[bytes]) -> Any:
         return data_start(info, f.read(LOCAL_HEADER.size))
 
     with archive.open(pickled) as data:
-        return _Unpickler(data, f, record).load()
+        return _Unpickler(data, f, record, where).load()
 
 
 def data_start(info: zipfile.ZipInfo, header: bytes) -> int:
@@ -91,24 +93,21 @@ class _Storage:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, data: IO[bytes], f: IO[bytes], record: Callable[[str], int]):
+    """Builds what the list admits (a second gate: the pickle was checked first), each
+    tensor a :class:`LazyTensor`."""
+
+    def __init__(self, data: IO[bytes], f: IO[bytes], record: Callable[[str], int], where: str):
         super().__init__(data)
-        self.f, self.record = f, record
+        self.f, self.record, self.where = f, record, where
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        if (module, name) not in CHECKPOINT:
+            raise refusal(self.where, (module, name))
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return self.tensor
-        # A Parameter, or a tensor with attributes a library set on it: the data alone.
-        if module == "torch._utils" and name.startswith("_rebuild_parameter"):
-            return lambda data, *_: data
-        if module == "torch._tensor" and name == "_rebuild_from_type_v2":
-            return lambda func, _type, args, _state: func(*args)
-        trusted = module.split(".")[0] in TRUSTED_ROOTS
-        if trusted or (module in ("builtins", "__builtin__") and name in BUILTIN_TYPES):
-            return super().find_class(module, name)
-        if (module, name) in {("copyreg", "_reconstructor"), ("_codecs", "encode")}:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not something a checkpoint holds")
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return self.tensor_v3
+        return super().find_class(module, name)
 
     def persistent_load(self, pid: Any) -> _Storage:
         _, storage_type, key, _location, _numel = pid
@@ -120,6 +119,13 @@ class _Unpickler(pickle.Unpickler):
         *_: Any,
     ) -> LazyTensor:  # fmt: skip
         return LazyTensor(self.f, storage.start, storage.dtype, offset, size, stride)
+
+    def tensor_v3(
+        self, storage: _Storage, offset: int, size: tuple[int, ...], stride: tuple[int, ...],
+        _grad: bool, _hooks: Any, dtype: torch.dtype, *_: Any,
+    ) -> LazyTensor:  # fmt: skip
+        # The dtypes without a typed storage (float8, uint16/32/64) name theirs here.
+        return LazyTensor(self.f, storage.start, dtype, offset, size, stride)
 
 
 def concat_range(parts: list[LazyTensor], first: int, count: int) -> torch.Tensor:

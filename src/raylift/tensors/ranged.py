@@ -9,21 +9,25 @@ request, whatever the store), checks each block it fetches against its checksum,
 the last few blocks, so that neighbouring small reads (a zip's header, the next tensor)
 do not fetch a block again. DCP's planner decides which ranges a rank needs;
 :func:`dcp_reader` hands its reads to such files, so a rank of a sharded model reads its
-own shards and little else.
+own shards and little else. DCP's own reader unpickles its ``.metadata`` and loads each
+non-tensor item with ``torch.load(weights_only=False)``; this one checks both against
+:data:`raylift.tensors.pickles.CHECKPOINT` first (:func:`dcp_metadata`).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
+import functools
 import io
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar, cast
 
+from raylift.core.errors import RefusedPickle
 from raylift.tensors.lazytorch import LazyTensor, load_lazy
+from raylift.tensors.pickles import check_torch_file, load_pickle, load_torch
 
 BLOCK = 1 << 20  # the most bytes one recorded checksum covers
 CACHE_BYTES = (
@@ -106,8 +110,9 @@ class Files(Protocol):
         """The files below the folder ``under``, as names relative to the checkpoint."""
         ...
 
-    def agree(self, problem: str | None) -> None:
-        """Collective: every rank raises the first problem any rank found (None: none)."""
+    def agree(self, problem: str | RefusedPickle | None) -> None:
+        """Collective: every rank raises the first problem any rank found (None: none):
+        a refused pickle as itself, anything else as a :class:`CheckpointError`."""
         ...
 
     def load_each(self, names: list[str], load: Callable[[IO[bytes]], Any]) -> dict[str, Any]:
@@ -131,6 +136,7 @@ class VerifiedFile(io.RawIOBase):
         super().__init__()
         self._read_at, self.listed, self.where, self._counted = read_at, listed, where, counted
         self._release = release
+        self.path = f"{str(where).rstrip('/')}/{listed.name}"  # for messages
         self._pos = 0
         self._cache: OrderedDict[int, bytes] = OrderedDict()
         self.failed: CheckpointError | None = None  # the mismatch a read raised
@@ -225,48 +231,78 @@ class VerifiedFile(io.RawIOBase):
         return out
 
 
-def dcp_reader(files: Files, folder: str) -> Any:
-    """A torch.distributed.checkpoint reader of ``folder`` (a name inside the checkpoint)
-    whose files come from ``files``: ranged and checked, nothing copied first."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.filesystem import FileSystemBase
+METADATA = ".metadata"  # DCP's index of a checkpoint folder
+T = TypeVar("T")
 
-    class Opened(FileSystemBase):
-        @contextlib.contextmanager
-        def create_stream(self, path: Any, mode: str) -> Any:
-            with files.open(str(path)) as f:
-                yield f
 
-        def concat_path(self, path: Any, suffix: str) -> str:
-            return f"{path}/{suffix}"
+def together(files: Files, read: Callable[[], T]) -> T:
+    """Collective: ``read()`` on every rank; where one rank's fails (a damaged block, a
+    refused pickle) every rank raises it, before any goes on into a loader's collectives."""
+    found: Any = None
+    problem: str | RefusedPickle | None = None
+    try:
+        found = read()
+    except CheckpointError as exc:
+        problem = str(exc)
+    except RefusedPickle as exc:
+        problem = exc
+    files.agree(problem)
+    return cast(T, found)
 
-        def init_path(self, path: Any) -> str:
-            return str(path)
 
-        def exists(self, path: Any) -> bool:
-            return files.has(str(path))
+def dcp_metadata(files: Files, folder: str) -> Any:
+    """DCP's ``Metadata`` of ``folder`` (a name inside the checkpoint): its pickle checked
+    against the list, then built by the restricted unpickler, never by ``pickle.load``."""
+    with files.open(f"{folder}/{METADATA}") as f:
+        where = str(getattr(f, "path", f"{folder}/{METADATA}"))
+        return load_pickle(f.read(), where)
 
-        def rename(self, path: Any, new_path: Any) -> None:
-            raise NotImplementedError("a checkpoint is read, never written, here")
 
-        mkdir = rm_file = rename  # type: ignore[assignment]
+def dcp_reader(files: Files, folder: str, metadata: Any = None) -> Any:
+    """A torch.distributed.checkpoint ``StorageReader`` of ``folder`` (a name inside the
+    checkpoint) whose files come from ``files``: ranged and checked, nothing copied
+    first. Its ``metadata`` (by default read now, :func:`dcp_metadata`) is read before
+    DCP's collectives, so that a refused or damaged one is raised as itself (DCP would
+    wrap it into an error of its own)."""
+    metadata = metadata if metadata is not None else dcp_metadata(files, folder)
+    return _reader_class()(files, folder, metadata)
+
+
+@functools.cache
+def _reader_class() -> type:
+    # torch.distributed.checkpoint takes most of a second to import: here, not with raylift.
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class DCPReader(StorageReader):
+        def __init__(self, files: Files, folder: str, metadata: Any):
+            super().__init__()
+            self.files, self.folder, self.metadata = files, folder, metadata
+            self.storage_data: dict[Any, Any] = {}
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            self.storage_data = {}
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self.metadata
+
+        def set_up_storage_reader(
+            self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+        ) -> None:
+            self.storage_data = metadata.storage_data
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
 
         @classmethod
         def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
             return True
 
-    class RangedDCPReader(FileSystemReader):
-        def __init__(self) -> None:
-            super().__init__(folder)
-            self.fs = Opened()  # type: ignore[assignment]
-            self.path = folder
-
         def read_data(self, plan: Any, planner: Any) -> Any:
-            from torch.futures import Future
-
-            if any(self.storage_data[i.storage_index].transform_descriptors for i in plan.items):
-                return super().read_data(plan, planner)  # compressed items: read whole
-
             # In file order: each block is fetched once, the next item's start from the cache.
             def where(item: Any) -> tuple[str, int]:
                 info = self.storage_data[item.storage_index]
@@ -275,7 +311,7 @@ def dcp_reader(files: Files, folder: str) -> Any:
             for path, items in itertools.groupby(
                 sorted(plan.items, key=where), key=lambda i: where(i)[0]
             ):
-                with self.fs.create_stream(self.fs.concat_path(self.path, path), "rb") as stream:
+                with self.files.open(f"{self.folder}/{path}") as stream:
                     for item in items:
                         self._read_item(stream, item, planner)
             done: Future[None] = Future()
@@ -283,31 +319,68 @@ def dcp_reader(files: Files, folder: str) -> Any:
             return done
 
         def _read_item(self, stream: Any, item: Any, planner: Any) -> None:
-            from torch.distributed.checkpoint.planner import LoadItemType
-
             info = self.storage_data[item.storage_index]
+            end = info.offset + info.length
+            at = f"{stream.path} (item {item.storage_index.fqn}, bytes {info.offset}-{end})"
+            if info.transform_descriptors:
+                raise CheckpointError(
+                    f"{at} was written compressed, which raylift never writes: this folder "
+                    "is not one of raylift's checkpoints"
+                )
             saved = Window(stream, info.offset, info.length)
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(saved.read()))
+                data = _Named(saved.read(), at)
+                # DCP's own planner would torch.load it with weights_only=False: checked
+                # here whatever the planner, and dcp_planner()'s loads it restricted.
+                check_torch_file(data, at)
+                planner.load_bytes(item, data)
                 return
             target = planner.resolve_tensor(item).detach()
-            target.copy_(part_of_saved_tensor(saved, item.storage_offsets, item.lengths))
+            target.copy_(part_of_saved_tensor(saved, item.storage_offsets, item.lengths, at))
             planner.commit_tensor(item, target)
 
-    return RangedDCPReader()
+    return DCPReader
 
 
-def part_of_saved_tensor(view: Any, offsets: Any, lengths: Any) -> Any:
+class _Named(io.BytesIO):
+    """A non-tensor item's bytes, with where they came from (for a refusal's message)."""
+
+    def __init__(self, data: bytes, path: str):
+        super().__init__(data)
+        self.path = path
+
+
+def dcp_planner() -> Any:
+    """DCP's default load planner, but for its non-tensor items (the optimizer's settings,
+    the loop's numbers), which it loads with ``torch.load(weights_only=False)``: loaded
+    here by :func:`~raylift.tensors.pickles.load_torch`, restricted to the list."""
+    return _planner_class()()
+
+
+@functools.cache
+def _planner_class() -> type:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = load_torch(value)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes places it
+                set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            else:
+                self.state_dict[fqn] = loaded
+
+    return Planner
+
+
+def part_of_saved_tensor(view: Any, offsets: Any, lengths: Any, where: str) -> Any:
     """The block ``offsets`` + ``lengths`` of the tensor DCP saved in ``view`` (one
     ``torch.save`` file), reading only its rows along the first dimension, where a sharded
     model cuts: a rank restoring half of a weight saved whole reads that half."""
-    import torch
-
-    saved = load_lazy(view)
+    saved = load_lazy(view, where)
     if not isinstance(saved, LazyTensor) or not saved.contiguous or not saved.shape:
-        view.seek(0)
-        whole = torch.load(view, map_location="cpu", weights_only=True)
-        return narrow(whole, offsets, lengths)
+        return narrow(load_torch(view, where), offsets, lengths)
     row = saved.shape[1:].numel()
     rows = saved.read(offsets[0] * row, lengths[0] * row).view(lengths[0], *saved.shape[1:])
     return narrow(rows, [0, *offsets[1:]], lengths)

@@ -13,9 +13,9 @@ written first and the file streamed after it. Memory: the largest tensor, twice.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
-import pickle
 import struct
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +24,8 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from raylift.tensors.lazytorch import load_lazy
+from raylift.tensors.pickles import load_torch
+from raylift.tensors.ranged import dcp_metadata
 
 if TYPE_CHECKING:
     from raylift.tensors.checkpoints import CheckpointReader
@@ -104,9 +106,8 @@ class DCPModel:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.reader, self.folder = reader, folder
-        with reader.open(f"{folder}/.metadata") as f:
-            # DCP's own format, as dcp.load reads it (the checkpoint is the run's own).
-            self.meta = pickle.load(cast(IO[bytes], f))
+        # DCP's own format, its pickle checked against the list first.
+        self.meta = dcp_metadata(reader, folder)
         self.specs = [
             Spec(fqn[len(PREFIX) :], list(md.size), _exported(md.properties.dtype), fqn)
             for fqn, md in self.meta.state_dict_metadata.items()
@@ -127,7 +128,8 @@ class DCPModel:
             with self.reader.open(f"{self.folder}/{info.relative_path}") as f:
                 f.seek(info.offset)
                 blob = f.read(info.length)
-            part = torch.load(_bytes_io(blob), weights_only=True, map_location="cpu")
+                at = f"{f.path} (item {spec.fqn}, bytes {info.offset}-{info.offset + info.length})"
+            part = load_torch(io.BytesIO(blob), at)
             where = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             full[where] = part.to(spec.dtype)
         return full
@@ -135,12 +137,6 @@ class DCPModel:
 
 def _exported(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype.is_floating_point else dtype
-
-
-def _bytes_io(blob: bytes) -> Any:
-    import io
-
-    return io.BytesIO(blob)
 
 
 def write_safetensors(

@@ -132,3 +132,47 @@ def test_the_best_config_is_written_beside_the_sweep_on_any_storage(
     loaded = load_config(out)
     assert loaded.optim.lr == 0.0042 and loaded.tune is None
     assert loaded.scaling.num_workers == cfg.scaling.num_workers
+
+
+def test_a_resumed_sweep_makes_the_same_trials_under_the_same_keys() -> None:
+    """The variant generator, seeded as a sweep seeds it, makes the same values in the same
+    order in a fresh Tuner: each trial's key (its place and a digest of its values) is the
+    one the record holds, so a resume finds every trial's run without Tune's pickles."""
+    from ray.tune.experiment import Experiment
+
+    from raylift.commands.sweep_record import TrialKeys
+
+    spec = parse_sweep(load_config(SWEEP, ["tune.num_samples=4"]))
+
+    def keys() -> list[str]:
+        alg = search_alg(spec, seed=0)
+        alg.add_configurations(
+            [Experiment("x", lambda c: None, config=param_space(spec), num_samples=4,
+                        trial_name_creator=TrialKeys())]
+        )  # fmt: skip
+        made = []
+        for _ in range(4):
+            trial = alg.next_trial()
+            made.append(trial.custom_trial_name)
+            alg.on_trial_complete(trial.trial_id)  # room for the next (max_concurrent)
+        return made
+
+    first = keys()
+    assert first == keys() and len(set(first)) == 4
+    assert [k.rsplit("_", 1)[1] for k in first] == ["00000", "00001", "00002", "00003"]
+
+
+def test_the_sweep_record_keeps_results_and_refuses_a_torn_file(tmp_path: Path) -> None:
+    from raylift.commands.sweep_record import RECORD, finished, kept, read_record
+    from raylift.core.config import EnvironmentProblem
+
+    assert read_record(str(tmp_path)) == {}
+    result = {"val_loss": 0.5, "epochs_done": 2.0, "trial_id": "x", "config": {"a": 1},
+              "time_total_s": 3.0, "stopped_early": False, "bad": float("nan")}  # fmt: skip
+    assert kept(result) == {"val_loss": 0.5, "epochs_done": 2.0, "stopped_early": False}
+    trials = {"a_00000": {"params": {}, "status": "TERMINATED", "metrics": {"val_loss": 0.5}},
+              "b_00001": {"params": {}, "status": "RUNNING"}}  # fmt: skip
+    assert finished(trials) == {"a_00000": {"val_loss": 0.5}}
+    (tmp_path / RECORD).write_text('{"version": 1, "trials": {"a_00')
+    with pytest.raises(EnvironmentProblem, match=r"raylift-sweep\.json: not the record"):
+        read_record(str(tmp_path))

@@ -6,7 +6,9 @@ Ray's ``TuneReportCallback`` passes every evaluation back to Tune, so a schedule
 can stop a trial between epochs, and a stopped trial's workers go with it. MLflow
 gets one parent run for the sweep and one child per trial (``mlflow.parentRunId``);
 a trial restarted after a failure, or a sweep resumed after Ctrl-C, continues its
-own runs: every run is found again by its name and storage.
+own runs: every run is found again by its name and storage. A resume never unpickles
+what Tune saved (:mod:`raylift.commands.sweep_record`): a fresh Tuner makes the same
+trials again, and each finds its own run and its record.
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from typing import Any
 import yaml
 
 from raylift.artifacts import mlmodel, tracking, tracking_service
+from raylift.commands.sweep_record import (
+    TrialKeys,
+    Trials,
+    finished,
+    read_record,
+    recorder,
+)
 from raylift.core import console, runlock, storage
 from raylift.core import storage as stores
 from raylift.core.config import (
@@ -187,14 +196,18 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
     from ray.tune.integration.ray_train import TuneReportCallback
 
     console.route_ray_process()
-    trial_id = tune.get_context().get_trial_id()
-    cfg = trial_config(sweep["base"], params, f"{sweep['name']}-{trial_id}")
+    key = tune.get_context().get_trial_name()  # TrialKeys': the same on a resume
+    done = sweep.get("done", {}).get(key)
+    if done is not None:  # finished before the sweep was resumed: its last result again
+        tune.report(done)
+        return
+    cfg = trial_config(sweep["base"], params, f"{sweep['name']}-{key}")
     train(
         cfg,
         log=print,
         parent_run_id=sweep["parent_run_id"],
         callbacks=[TuneReportCallback()],
-        extra_tags={"raylift.sweep": sweep["name"], "raylift.trial_id": trial_id},
+        extra_tags={"raylift.sweep": sweep["name"], "raylift.trial_id": key},
         # Tune runs one attempt of a trial at a time, and its worker process may outlive
         # a stopped attempt: the sweep's own lock is the one that keeps commands apart.
         lock=False,
@@ -250,22 +263,24 @@ def _tune_run(cfg: Config, spec: TuneConfig, log: Any, service: Any) -> SweepRes
     # The data is prepared once here; trials whose task_args differ prepare their own.
     shards_for_run(cfg, build_task(cfg.task, cfg.task_args), log)
     parent = _parent_run(cfg, storage, spec)
+    path = join(storage, cfg.name)
+    trials = read_record(path)  # raylift's own record, JSON: Tune's pickles stay unread
+    log(f"raylift: sweep {cfg.name!r} -> {path} ({'resuming' if trials else 'new sweep'})")
     # Every trial writes to MLflow through the sweep's tracking actor, on this node.
-    payload = {"base": base, "name": cfg.name, "parent_run_id": parent, "tracking": service}
+    payload = {"base": base, "name": cfg.name, "parent_run_id": parent, "tracking": service,
+               "done": finished(trials)}  # fmt: skip
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, sweep=payload),
         {"CPU": 0.01},  # the trial's workers hold the real resources; this only launches them
     )
-    path = join(storage, cfg.name)
-    resumed = tune.Tuner.can_restore(path)
-    log(f"raylift: sweep {cfg.name!r} -> {path} ({'resuming' if resumed else 'new sweep'})")
-    tuner = _tuner(trainable, path, resumed, spec, cfg, storage)
+    tuner = _tuner(trainable, spec, cfg, storage, recorder(path, trials))
     with _ctrl_c_stops_tune() as interrupted:
         grid = tuner.fit()
-    if interrupted.is_set():  # Tune stopped and saved its state: a rerun resumes
+    if interrupted.is_set():  # the record says which trials finished: a rerun resumes
         tracking.end_run(tracking.tracking_uri(cfg), parent, "KILLED")
         raise KeyboardInterrupt(f"sweep {cfg.name!r} interrupted")
     rows = _rows(grid, spec, cfg)
+    rows += _recorded_rows(trials, {r.trial_id for r in rows}, spec, cfg)
     best = _best(rows, spec)
     best_path = _write_best(cfg, best, storage) if best else None
     if best is not None:
@@ -323,13 +338,12 @@ def _trial_workers(cfg: Config, spec: TuneConfig) -> int:
     return int(workers[-1] if isinstance(workers, list) else workers)
 
 
-def _tuner(
-    trainable: Any, path: str, resumed: bool, spec: TuneConfig, cfg: Config, storage: str
-) -> Any:
+def _tuner(trainable: Any, spec: TuneConfig, cfg: Config, storage: str, record: Any) -> Any:
+    """A fresh Tuner, resumed sweep or not (``Tuner.restore`` would unpickle Tune's saved
+    state): the same search, seeded alike, makes the same trials under the same keys."""
     from ray import tune
 
-    if resumed:
-        return tune.Tuner.restore(path, trainable, resume_unfinished=True, resume_errored=True)
+    keys = TrialKeys()
     return tune.Tuner(
         trainable,
         param_space=param_space(spec),
@@ -339,11 +353,14 @@ def _tuner(
             num_samples=spec.num_samples,
             scheduler=scheduler(spec, cfg.train.max_epochs),
             search_alg=search_alg(spec, cfg.train.seed),
+            trial_name_creator=keys,
+            trial_dirname_creator=keys,
         ),
         run_config=tune.RunConfig(
             name=cfg.name,
             storage_path=storage,
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+            callbacks=[record],
             verbose=0,
         ),
     )
@@ -357,13 +374,29 @@ def _row(result: Any, spec: TuneConfig, cfg: Config) -> TrialRow:
     m = result.metrics or {}
     epochs = float(m.get(TIME_ATTR, 0.0))
     return TrialRow(
-        trial_id=str(m.get("trial_id", "?")),
+        trial_id=str(result.path).rstrip("/").rsplit("/", 1)[-1],  # its key (TrialKeys)
         status="ERROR" if result.error else "TERMINATED",
         params=dict(result.config or {}),
         metric=_finite(m.get(spec.metric)),
         epochs=epochs,
         stopped=_stopped(result.error, m, epochs, cfg),
     )
+
+
+def _recorded_rows(trials: Trials, seen: set[str], spec: TuneConfig, cfg: Config) -> list[TrialRow]:
+    """Trials an earlier session of the sweep finished that this one did not make again
+    (a search that suggests from results may suggest otherwise): from the record."""
+    rows = []
+    for key, trial in sorted(trials.items()):
+        if key in seen or trial.get("status") not in ("TERMINATED", "ERROR"):
+            continue
+        m, error = trial.get("metrics", {}), trial.get("status") == "ERROR" or None
+        epochs = float(m.get(TIME_ATTR, 0.0))
+        params = dict(trial.get("params", {}))
+        stopped = _stopped(error, m, epochs, cfg)
+        metric = _finite(m.get(spec.metric))
+        rows.append(TrialRow(key, trial["status"], params, metric, epochs, stopped))
+    return rows
 
 
 def _stopped(error: Any, m: dict[str, Any], epochs: float, cfg: Config) -> str:

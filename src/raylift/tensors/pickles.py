@@ -22,6 +22,7 @@ with functions and commands in it, is never unpickled: raylift.commands.tune.)
 
 from __future__ import annotations
 
+import _compat_pickle
 import importlib
 import io
 import pickle
@@ -110,8 +111,6 @@ def refusal(where: str, found: Global) -> RefusedPickle:
 def _as_python3(found: Global) -> Global:
     """A name as it is written in a pickle of protocol 2 or less (``__builtin__.exec``),
     as Python 3 reads it (``builtins.exec``): what to call it in a message."""
-    import _compat_pickle
-
     if found in _compat_pickle.NAME_MAPPING:
         return _compat_pickle.NAME_MAPPING[found]
     return _compat_pickle.IMPORT_MAPPING.get(found[0], found[0]), found[1]

@@ -355,6 +355,23 @@ def test_mlflow_still_resolves_model_uris_through_the_process_wide_uris(
             )  # fmt: skip
 
 
+def test_dcp_places_a_loaded_item_as_the_planner_does() -> None:
+    """tensors/ranged.py's planner loads DCP's non-tensor items itself (checked, weights
+    only) and places them as ``DefaultLoadPlanner.load_bytes`` does, with DCP's private
+    ``_traverse.set_element``: both must still be there and still do it that way."""
+    import inspect
+
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    source = inspect.getsource(DefaultLoadPlanner.load_bytes)
+    assert "set_element(" in source and "self.original_state_dict" in source, source
+    assert "self.mappings[" in source and "torch.load(" in source, source
+    tree: dict = {"a": {"b": 1}}
+    set_element(tree, ("a", "b"), 2)
+    assert tree == {"a": {"b": 2}}
+
+
 # ---------------------------------------------------------------- the whole list
 
 SRC = Path(raylift.__file__).parent
@@ -392,6 +409,8 @@ KNOWN: dict[str, set[str]] = {
     "tasks/hf.py": {"_no_split_modules"},
     "tensors/init.py": {"_init_weights", "_raylift_unwrapped", "_utils"},
     "tensors/lazytorch.py": {"_utils", "_tensor", "_dtype"},
+    "tensors/pickles.py": {"_utils"},  # torch.save's pickle names, as lazytorch's
+    "tensors/ranged.py": {"_traverse"},  # DCP: test_dcp_places_a_loaded_item_as_the_planner_does
 }
 PROTOCOL = {"__init__", "__name__", "__class__", "__dict__", "__file__", "__path__",
             "__module__", "__qualname__", "__doc__", "__cause__", "__subclasses__",

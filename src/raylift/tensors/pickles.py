@@ -26,6 +26,7 @@ import _compat_pickle
 import importlib
 import io
 import pickle
+import struct
 import zipfile
 from collections.abc import Iterable
 from typing import IO, Any, cast
@@ -216,13 +217,30 @@ def pickles_of(f: IO[bytes], where: str) -> list[bytes]:
             raise _crafted(where, "a zip archive behind other bytes")
         raise zipfile.BadZipFile(f"{where} is not a torch.save archive")
     with zipfile.ZipFile(f) as archive:
-        end = zipfile._EndRecData(f)  # type: ignore[attr-defined]  # the record ZipFile read
-        if not end or archive.start_dir != end[zipfile._ECD_OFFSET]:  # type: ignore[attr-defined]
+        if archive.start_dir != _directory_offset(f):
             raise _crafted(where, "a zip archive whose directory is not where its end says")
         names = archive.namelist()
         if len(names) != len(set(names)):
             raise _crafted(where, "a zip archive that lists a member twice")
         return [archive.read(n) for n in names if n.endswith(".pkl")]
+
+
+END_RECORD = struct.Struct("<4s4H2LH")  # a zip's end of central directory, 22 bytes
+
+
+def _directory_offset(f: IO[bytes]) -> int | None:
+    """Where the last end record of the zip ``f`` says its directory starts (ZipFile reads
+    the same record, but moves the directory by any bytes before the archive)."""
+    size = f.seek(0, io.SEEK_END)
+    f.seek(max(0, size - END_RECORD.size))  # as torch.save writes it: no comment after it
+    tail = f.read()
+    if not tail.startswith(b"PK\x05\x06"):  # else it is somewhere in the comment's room
+        f.seek(max(0, size - END_RECORD.size - 0xFFFF))
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < END_RECORD.size:
+        return None
+    return int(END_RECORD.unpack_from(tail, at)[6])
 
 
 def _crafted(where: str, what: str) -> RefusedPickle:
@@ -260,13 +278,10 @@ def load_torch_bytes(data: bytes, where: str) -> Any:
 
 
 def _beyond_torch(used: Iterable[Global]) -> list[Any]:
-    """(object, "module.name") for each of ``used`` (names :func:`check` passed) that
-    torch's weights-only loader does not admit by default."""
-    from torch import _weights_only_unpickler as wo
-
-    default = wo._get_allowed_globals()
-    names = sorted(g for g in used if f"{g[0]}.{g[1]}" not in default)
-    return [(_resolve(module, name), f"{module}.{name}") for module, name in names]
+    """(object, "module.name") for each of ``used`` (names :func:`check` passed), for
+    torch's weights-only loader: those it admits by itself (tensors, dtypes) it admits
+    again; the rest (DeepSpeed's loss scaler, say) it admits for this file alone."""
+    return [(_resolve(module, name), f"{module}.{name}") for module, name in sorted(used)]
 
 
 def _resolve(module: str, name: str) -> Any:

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+AGAIN = "rerun the same command"  # what a command that changes nothing says once the store answers
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -132,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from raylift.tensors.checkpoints import CheckpointError
 
     try:
-        with console.library_quiet():
+        with console.library_quiet(), storage.reaching(args.path, "reading it", AGAIN):
             if args.format in ("hf", "peft") or _adapted(args):
                 ckpt, n = _export_hf(args)
             else:
@@ -194,11 +197,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from raylift.tensors.checkpoints import verify_run
 
-    results = verify_run(args.run)
-    if not results:
-        print(f"raylift: no checkpoint-step* folders in {args.run}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    print(_run_summary(args.run))
+    with storage.reaching(args.run, "reading its checkpoints", AGAIN):
+        results = verify_run(args.run)
+        if not results:
+            print(f"raylift: no checkpoint-step* folders in {args.run}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        print(_run_summary(args.run))
     for ckpt, problem in results:
         print(f"{storage.name(ckpt)}: {'intact' if problem is None else problem}")
     refused = [storage.name(c) for c, problem in results if isinstance(problem, RefusedPickle)]
@@ -456,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, os.getcwd())
     try:
         return COMMANDS[args.verb](args)
-    except (ConfigError, EnvironmentProblem, RefusedPickle) as exc:
+    except (ConfigError, EnvironmentProblem, RefusedPickle, storage.StorageError) as exc:
         print(f"raylift: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

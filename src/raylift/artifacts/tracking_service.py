@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from raylift.artifacts.tracking import (
     process_uri,
     start_run,
 )
-from raylift.core import storage
+from raylift.core import storage, stores
 from raylift.core.config import Config
 from raylift.core.names import MODEL_NAME
 from raylift.core.parsing import RUN_CONFIG
@@ -82,6 +83,9 @@ class Store:
     on a Ray Client connection use one in their own process."""
 
     def __init__(self, uri: str):
+        # boto3, under MLflow's artifacts in S3, retries as raylift's S3 client does where
+        # nothing set it otherwise: this may be a process of its own, on any node.
+        os.environ.update(stores.client_retries_env())
         self.uri = uri
         self._client: Any = None
         self._workers: dict[str, dict[str, Any]] = {}

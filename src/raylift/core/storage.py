@@ -5,18 +5,23 @@ local folder (an NFS mount included) and an object store: a URI is never a secon
 class path. Paths are strings throughout; a URI keeps its scheme in everything raylift
 prints. Checkpoints are read in ranges where they are (:mod:`raylift.tensors.checkpoints`); only a
 weights folder in an object store is fetched whole (:func:`local_copy`).
+An object store's filesystem retries what a retry can fix (:mod:`raylift.core.stores`);
+what it cannot fix stops the command with one line (:func:`reaching`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from raylift.core import stores
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -26,7 +31,6 @@ CHUNK = 64 << 20  # bytes read at a time when streaming an object (checksums): f
 # 64 MiB at a time, a 572 MiB torch.save file went through memory and hashed at 1.4 GB/s
 # on the 2-core EPYC; 1 MiB at a time, at 10 GB/s.
 LOCAL_CHUNK = 1 << 20
-RETRIES = (0.2, 1.0)  # seconds before each further try of an object store's operation
 T = TypeVar("T")
 
 
@@ -35,12 +39,18 @@ class StorageError(OSError):
     the URI, the store's own message and the fix."""
 
 
-@contextlib.contextmanager
-def reaching(uri: str, what: str) -> Iterator[None]:
-    """Turn the store's error while doing ``what`` into a :class:`StorageError`; a full
-    local disk keeps its own (the run's failure message names that one)."""
-    import errno
+def retried(path: str, operation: Callable[[], T], client_retries: bool = True) -> T:
+    """``operation()``, tried again after a backoff where ``path`` is a URI and its error
+    is one a retry can fix that the store's client did not try again itself (see
+    :func:`raylift.core.stores.left_to_us`); any other error is raised at once."""
+    return stores.retry(operation, client_retries, stores.attempts() if is_remote(path) else 1)
 
+
+@contextlib.contextmanager
+def reaching(uri: str, what: str, then: str | None = None) -> Iterator[None]:
+    """Turn the store's error while doing ``what`` into a :class:`StorageError`; a full
+    local disk keeps its own (the run's failure message names that one). ``then``: what
+    to do once the store is put right (by default, rerun the command: a run resumes)."""
     try:
         yield
     except StorageError:
@@ -49,23 +59,15 @@ def reaching(uri: str, what: str) -> Iterator[None]:
         if exc.errno == errno.ENOSPC:
             raise
         said = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), repr(exc))
-        raise StorageError(
-            f"storage {uri}: {what} failed: {said}; check that it exists and that every "
-            "node's credentials (AWS_*, GOOGLE_APPLICATION_CREDENTIALS) can write it, then "
-            "rerun the same command: it resumes from the newest complete checkpoint"
-        ) from exc
-
-
-def retried(path: str, operation: Callable[[], T]) -> T:
-    """``operation()``, tried again after a short wait where ``path`` is a URI: object
-    stores answer a small share of requests with a transient error (seen here: S3's
-    INTERNAL_FAILURE on a GetObject that the next try served)."""
-    for wait in RETRIES if is_remote(path) else ():
-        try:
-            return operation()
-        except OSError:
-            time.sleep(wait)
-    return operation()
+        then = then or "rerun the same command: it resumes from the newest complete checkpoint"
+        if stores.transient(exc):
+            fix = f"the store kept failing for {stores.attempts()} tries; once it answers, {then}"
+        else:
+            fix = (
+                "check that it exists and that every node's credentials (AWS_*, "
+                f"GOOGLE_APPLICATION_CREDENTIALS) can write it, then {then}"
+            )
+        raise StorageError(f"storage {uri}: {what} failed: {said}; {fix}") from exc
 
 
 def is_remote(path: str) -> bool:
@@ -118,12 +120,15 @@ def as_uri(path: str, like: str) -> str:
 
 
 def filesystem(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    """A pyarrow filesystem and the path in it, for local folders and URIs alike."""
+    """A pyarrow filesystem and the path in it, for local folders and URIs alike. An
+    object store's is raylift's (:class:`~raylift.core.stores.Resilient`): it retries what
+    a retry can fix, and it pickles as its URI, so a Ray worker that gets it builds its
+    own from its node's environment."""
     import pyarrow.fs as pafs
 
-    if is_remote(path):
-        return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), resolve(path)
+    if not is_remote(path):
+        return pafs.LocalFileSystem(), resolve(path)
+    return stores.open_uri(str(path))
 
 
 # ---------------------------------------------------------------- queries
@@ -201,14 +206,10 @@ def read_bytes(path: str) -> bytes | None:
     import pyarrow.fs as pafs
 
     fs, where = filesystem(path)
-
-    def read() -> bytes | None:
-        if fs.get_file_info(where).type != pafs.FileType.File:
-            return None
-        with fs.open_input_stream(where) as f:
-            return bytes(f.read())
-
-    return retried(path, read)
+    if fs.get_file_info(where).type != pafs.FileType.File:
+        return None
+    with fs.open_input_stream(where) as f:
+        return bytes(f.read())
 
 
 def read_text(path: str) -> str | None:
@@ -237,12 +238,17 @@ def write_bytes(path: str, data: bytes) -> None:
         with fs.open_output_stream(where) as out:
             out.write(data)
 
-    retried(path, write)
+    retried(path, write, _client_retries(fs))  # a write cut off is written again, whole
+
+
+def _client_retries(fs: Any) -> bool:
+    handler = getattr(fs, "handler", None)
+    return handler.client_retries if isinstance(handler, stores.Resilient) else True
 
 
 def upload_folder(local: Path, dest: str) -> None:
     """Copy every file under the local folder ``local`` to ``dest`` (a folder or a URI),
-    in parallel, and tried again once on an object store's transient error."""
+    in parallel; all again where an object store failed it as :func:`retried` says."""
     import pyarrow.fs as pafs
 
     fs, where = filesystem(dest)
@@ -251,7 +257,7 @@ def upload_folder(local: Path, dest: str) -> None:
         fs.create_dir(where, recursive=True)
         pafs.copy_files(str(local), where, destination_filesystem=fs, use_threads=True)
 
-    retried(dest, copy)
+    retried(dest, copy, _client_retries(fs))
 
 
 def bytes_under(folder: Path) -> int:
@@ -267,12 +273,8 @@ def write_text(path: str, text: str) -> None:
 def delete(path: str) -> None:
     """Remove the file at ``path``; nothing happens where there is none."""
     fs, where = filesystem(path)
-
-    def remove() -> None:
-        with contextlib.suppress(FileNotFoundError):
-            fs.delete_file(where)
-
-    retried(path, remove)
+    with contextlib.suppress(FileNotFoundError):
+        fs.delete_file(where)
 
 
 def delete_dir_if_empty(path: str) -> None:

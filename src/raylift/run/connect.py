@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from raylift.core import console
+from raylift.core import console, stores
 from raylift.core.config import Config, EnvironmentProblem
 from raylift.tasks import BUILTINS
 
@@ -63,6 +63,9 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     # Before Ray's start-up prints anything; a command that stops before it needs Ray
     # (bad input) leaves no log behind.
     console.start_log(cfg.name)
+    # boto3 (MLflow's artifacts in S3) retries as raylift's S3 client does, where nothing
+    # set it otherwise; a local Ray started below passes it to every worker.
+    os.environ.update(stores.client_retries_env())
     if ray.is_initialized():
         return
     env = dict(WORKER_ENV)

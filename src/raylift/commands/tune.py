@@ -48,7 +48,7 @@ from raylift.data.shards import shards_for_run
 from raylift.run.auto import resolve_auto
 from raylift.run.check import writable
 from raylift.run.connect import connect_ray
-from raylift.run.launch import tracking_for_run, train
+from raylift.run.launch import ray_storage, tracking_for_run, train
 from raylift.tasks import build_task
 from raylift.tensors.weights import absolute
 from raylift.validation import config_from_dict
@@ -358,7 +358,7 @@ def _tuner(trainable: Any, spec: TuneConfig, cfg: Config, storage: str, record: 
         ),
         run_config=tune.RunConfig(
             name=cfg.name,
-            storage_path=storage,
+            **ray_storage(storage),
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
             callbacks=[record],
             verbose=0,

@@ -284,11 +284,14 @@ def _write(
     parts: dict[str, Any] = (
         {"partition_cols": [SPLIT_COLUMN], "partitioning_flavor": None} if by_split else {}
     )
+    # An object store's filesystem retries what a retry can fix; Ray's own would not.
+    fs = filesystem(folder)[0] if is_remote(folder) else None
     try:
         with Progress(folder, label, expected, log, recursive=by_split):
             ds.write_parquet(
-                folder, row_group_size=ROWS_PER_GROUP, max_rows_per_file=ROWS_PER_FILE, **parts
-            )
+                folder, filesystem=fs, row_group_size=ROWS_PER_GROUP,
+                max_rows_per_file=ROWS_PER_FILE, **parts,
+            )  # fmt: skip
     finally:
         counted = Skipped.collect(skipped)
     return counted

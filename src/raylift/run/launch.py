@@ -134,7 +134,7 @@ def build_torch_trainer(
         ),
         run_config=RunConfig(  # type: ignore[call-arg]
             name=cfg.name,
-            storage_path=where,
+            **ray_storage(where),
             checkpoint_config=checkpoint_config(cfg),
             # A worker group that cannot be placed is a "controller failure", which Ray
             # Train retries forever by default: bounded here by placement_timeout_s.
@@ -148,6 +148,16 @@ def build_torch_trainer(
             callbacks=[faults, restarts, *callbacks],
         ),
     )
+
+
+def ray_storage(where: str) -> dict[str, Any]:
+    """Ray's storage arguments for ``where``: an object store through raylift's filesystem,
+    which retries what a retry can fix where Ray's own would give up, with the path in it;
+    a local folder as it is."""
+    if not storage.is_remote(where):
+        return {"storage_path": where}
+    fs, path = storage.filesystem(where)
+    return {"storage_path": path, "storage_filesystem": fs}
 
 
 @functools.cache

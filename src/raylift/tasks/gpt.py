@@ -38,7 +38,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from raylift.core.errors import SourceError
-from raylift.core.storage import as_uri, filesystem
+from raylift.core.storage import as_uri, filesystem, is_remote
 from raylift.data.sources import (
     RowSplit,
     Source,
@@ -385,12 +385,14 @@ class GPTTask:
         parquet = [f for f in paths if f.endswith(".parquet")]
         jsonl = [f for f in paths if not f.endswith(".parquet")]
         parts = []
+        # An object store's filesystem retries what a retry can fix; Ray's own would not.
+        fs = filesystem(paths[0])[0] if is_remote(paths[0]) else None
         if parquet:
             _check_field(parquet[0], field)
-            parts.append(ray.data.read_parquet(parquet, shuffle=shuffled_files()))
+            parts.append(ray.data.read_parquet(parquet, filesystem=fs, shuffle=shuffled_files()))
         if jsonl:
             _check_field(jsonl[0], field)
-            parts.append(ray.data.read_json(jsonl, shuffle=shuffled_files()))
+            parts.append(ray.data.read_json(jsonl, filesystem=fs, shuffle=shuffled_files()))
         ds: Any = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
         return ds.map_batches(
             _documents, fn_kwargs={"field": field}, batch_format="pyarrow", zero_copy_batch=True

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from raylift.core import stores
+from tests.s3_faults import FaultProxy, start_moto, stop
 from tests.survivors import MARK, left_behind, mark_suite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,42 +187,30 @@ def _port_holder(port: int) -> str | None:
 
 
 BUCKETS = ("runs", "data")
+CLIENT_RETRIES = {"AWS_RETRY_MODE": "standard", "AWS_MAX_ATTEMPTS": str(stores.ATTEMPTS)}
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
-    """An S3 server on 127.0.0.1 (moto's server mode, as Ray's own storage tests use) with
-    the buckets ``runs`` and ``data``; the AWS variables point this process, and every
-    process it starts (the session's Ray too), at it. Stopped by its pid."""
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+def s3_faults() -> Iterator[FaultProxy]:
+    """An S3 server on 127.0.0.1 (moto's server mode, as Ray's own storage tests use)
+    behind the proxy every S3 client of the session goes through (tests/s3_faults.py): it
+    injects no fault until a test sets its rates. Stopped by its pid."""
+    server, endpoint = start_moto()
+    proxy = FaultProxy(endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+        stop(server)
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    exe = str(Path(sys.executable).with_name("moto_server"))
-    server = subprocess.Popen(
-        [exe, "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError(f"moto_server did not answer on {endpoint}") from None
-            time.sleep(0.2)
+
+@pytest.fixture(scope="session")
+def s3_server(s3_faults: FaultProxy) -> Iterator[str]:
+    """The session's S3 server (through ``s3_faults``) with the buckets ``runs`` and
+    ``data``; the AWS variables point this process, and every process it starts (the
+    session's Ray too), at it."""
     env = {
-        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ENDPOINT_URL": s3_faults.endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_REGION": "us-east-1",
@@ -233,13 +223,8 @@ def s3_server() -> Iterator[str]:
     for bucket in BUCKETS:
         s3.create_bucket(Bucket=bucket)
     try:
-        yield endpoint
+        yield s3_faults.endpoint
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
         for k, v in before.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -263,8 +248,9 @@ def mlflow_server(s3_server: str, tmp_path_factory: pytest.TempPathFactory) -> I
     exe = str(Path(sys.executable).with_name("mlflow"))
     # No job runner: it serves MLflow's GenAI jobs, which no test uses, and its consumer
     # polls for them (about 30 CPU-seconds over a suite on this 2-core machine).
+    # Its boto3 retries as a server in front of a flaky store should (docs/clusters.md).
     env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_server,
-           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # fmt: skip
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **CLIENT_RETRIES}  # fmt: skip
     log_file = open(folder / "server.log", "w")  # noqa: SIM115 (the server's, closed at stop)
     server = subprocess.Popen(
         [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

@@ -23,6 +23,7 @@ from raylift.tensors.precision import DeviceFacts, choose
 from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output, wait_until
 from tests.integration.test_train import cli_env
+from tests.s3_faults import FLAKY, FaultProxy
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -93,12 +94,20 @@ def test_truncated_or_missing_files_are_caught_with_the_fix(
 
 @pytest.mark.slow
 def test_preps_into_an_object_store_never_delete_or_mix_each_others_shards(
-    ray_cluster: str, s3_server: str, tmp_path: Path
+    ray_cluster: str, s3_server: str, s3_faults: FaultProxy, tmp_path: Path
 ) -> None:
     """Object stores have no rename: each prep writes its own folder and then the
     manifest. A run that read the first manifest still finds every file it names after
     ``prep --force`` replaced them; two preps at once both finish and leave one whole
-    manifest, of files that are all there."""
+    manifest, of files that are all there. The store throttles and drops connections
+    throughout (FLAKY)."""
+    with s3_faults.faults(seed=1, **FLAKY) as injected:
+        preps_side_by_side(tmp_path)
+    print(f"faults injected: {dict(injected)}")  # shown with -s, for the record
+    assert injected["throttle"] > 0 and injected["drop"] > 0, injected
+
+
+def preps_side_by_side(tmp_path: Path) -> None:
     from raylift.core import storage
     from raylift.data.manifest import read_manifest, verify
 

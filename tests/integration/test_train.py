@@ -18,6 +18,7 @@ from raylift.run.connect import WORKER_ENV
 from raylift.run.launch import train
 from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output, wait_until
+from tests.s3_faults import FLAKY, FaultProxy
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -149,16 +150,34 @@ def val_loss_of(proc: subprocess.Popen[str], tmp: Path) -> float:
 
 @pytest.mark.slow
 def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where_it_was(
-    ray_cluster: str, in_tmp: Path, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    """Storage on the S3 server, ZeRO-2. SIGKILL of rank 1 mid-run, while the step-4
+    ray_cluster: str, in_tmp: Path, kill_storage: str, tmp_path_factory: pytest.TempPathFactory,
+    s3_faults: FaultProxy,
+) -> None:  # fmt: skip
+    """Storage on the S3 server, ZeRO-2, the store throttling and dropping connections
+    throughout (FLAKY). SIGKILL of rank 1 mid-run, while the step-4
     checkpoint is still uploading (async; its completion lists never written): one
     console line says so and Ray restarts the group from the newest complete checkpoint,
     step 2's; the run ends where an
     uninterrupted one (DDP, from a user's script: its console is raylift's and the
     script's) does, in one MLflow run; a second writer of the run is refused
-    meanwhile. Then it resumes on 1 worker, verifies and exports from s3://, and a damaged
-    newest checkpoint in the store is found and passed over."""
+    meanwhile. Then it resumes on 1 worker and logs its model to MLflow's artifacts in the
+    store, verifies and exports from s3://, the logged model is the exported one, and a
+    damaged newest checkpoint in the store is found and passed over."""
+    with s3_faults.faults(seed=2, **FLAKY) as injected:
+        killed_and_resumed(in_tmp, kill_storage, tmp_path_factory)
+    print(f"faults injected: {dict(injected)}")  # shown with -s, for the record
+    assert injected["throttle"] > 0 and injected["drop"] > 0, injected
+
+
+def killed_and_resumed(
+    in_tmp: Path, kill_storage: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    # The run's MLflow artifacts (its config, its model) go to the store as well.
+    MlflowClient(f"sqlite:///{in_tmp / 'mlflow.db'}").create_experiment(
+        "raylift", artifact_location=f"{kill_storage}/mlflow"
+    )
     marker = in_tmp / "killed"
     zero2 = ["strategy.name=deepspeed", "strategy.zero_stage=2"]  # its console, under Ray
     common = [
@@ -228,11 +247,15 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     assert mlrun.data.tags["raylift.restart.1"].startswith("step 2 from checkpoint-step00000002")
     # The start-up is the command's, logged once at its first step, not again by the restart.
     assert list(history(client, run_id, "startup/total_s")) == [1]
-    gpt = load_config(
-        *common[:1], [*common[1:], "name=kill", "train.max_steps=16", "scaling.num_workers=1"]
-    )
+    resumed = [
+        "name=kill",
+        "train.max_steps=16",
+        "scaling.num_workers=1",
+        "tracking.log_model=final",
+    ]
+    gpt = load_config(*common[:1], [*common[1:], *resumed])
     smaller = train(gpt)
-    assert smaller.run_id == run_id and smaller.metrics["step"] == 16
+    assert smaller.run_id == run_id and smaller.metrics["step"] == 16 and smaller.model
     # One MLflow run across the kill and the rerun; nothing logged twice; what changed is tagged.
     assert sorted(history(client, run_id, "train_loss")) == [4, 8, 12, 16]
     assert sorted(history(client, run_id, "startup/total_s")) == [1, 13]  # the rerun's
@@ -245,13 +268,31 @@ def test_a_killed_worker_on_object_storage_is_one_line_and_the_run_resumes_where
     # From the store: verify and export exit 0; a damaged newest checkpoint is found.
     assert cli_main(["verify", run]) == 0
     assert cli_main(["export", run, "--out", str(in_tmp / "model.pt")]) == 0
-    assert len(torch.load(in_tmp / "model.pt", weights_only=True)) > 0
+    exported = torch.load(in_tmp / "model.pt", weights_only=True)
+    assert len(exported) > 0
+    logged = logged_from_store(in_tmp, smaller.model.model_id, kill_storage)
+    assert logged.keys() <= exported.keys() and all(
+        torch.equal(exported[k], v) for k, v in logged.items()
+    )
     newest = f"{run}/checkpoint-step00000016"
     victim = f"{newest}/loop_state.pt"
     damaged = bytearray(storage.read_bytes(victim) or b"")
     damaged[len(damaged) // 2] ^= 0xFF
     storage.write_bytes(victim, bytes(damaged))
     assert cli_main(["verify", run]) == 1  # only older ones intact: a rerun resumes from 12
+
+
+def logged_from_store(folder: Path, model_id: str, bucket_folder: str) -> dict[str, torch.Tensor]:
+    """The logged model's weights, downloaded from its artifacts in the store."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import load_file
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    location = client.get_logged_model(model_id).artifact_location
+    assert location.startswith(f"{bucket_folder}/mlflow/"), location
+    where = mlflow.artifacts.download_artifacts(artifact_uri=location, dst_path=str(folder / "m"))
+    return load_file(str(next(Path(where).rglob("model.safetensors"))))
 
 
 SIGNALS = {"segv": "SIGSEGV (Segmentation fault)", "abort": "SIGABRT (Aborted)"}

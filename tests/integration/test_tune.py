@@ -1,6 +1,7 @@
-"""`raylift tune` on the session's Ray, with the shipped sweep (configs/sweep-digits.yaml):
-a failed trial restarts from its checkpoint, an interrupted sweep resumes, and the best
-trial's logged model loads back (the ASHA sweep runs on its own Ray: test_own_ray)."""
+"""`raylift tune` on the session's Ray, with the shipped sweep (configs/sweep-digits.yaml)
+and its storage on a flaky S3 server: a failed trial restarts from its checkpoint, an
+interrupted sweep resumes, and the best trial's logged model loads back (the ASHA sweep
+runs on its own Ray: test_own_ray)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import yaml
 
 from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output
+from tests.s3_faults import FLAKY, FaultProxy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -50,12 +52,23 @@ def flaky_sweep(tmp: Path, *extra: str) -> Path:
 
 
 def test_a_failed_trial_restarts_and_an_interrupted_sweep_resumes(
-    ray_cluster: str, in_tmp: Path
+    ray_cluster: str, in_tmp: Path, s3_server: str, s3_faults: FaultProxy
 ) -> None:
     """The first trial fails once at step 30 and restarts from its step-20 checkpoint; the
-    sweep is then stopped with Ctrl-C and rerun: each trial keeps one child run."""
+    sweep is then stopped with Ctrl-C and rerun: each trial keeps one child run. Its
+    storage is on the S3 server, which throttles and drops connections throughout (FLAKY)."""
+    with s3_faults.faults(seed=3, **FLAKY) as injected:
+        interrupted_and_resumed(in_tmp)
+    print(f"faults injected: {dict(injected)}")  # shown with -s, for the record
+    assert injected["throttle"] > 0 and injected["drop"] > 0, injected
+
+
+def interrupted_and_resumed(in_tmp: Path) -> None:
     marker = in_tmp / "failed-once"
-    path = flaky_sweep(in_tmp, f"task_args.marker={marker}", "tune.max_concurrent=1")
+    storage = f"s3://runs/{in_tmp.name}"
+    path = flaky_sweep(
+        in_tmp, f"task_args.marker={marker}", "tune.max_concurrent=1", f"storage={storage}"
+    )
     cmd = [sys.executable, "-m", "raylift.cli", "tune", str(path), "name=resumable"]
     env = {**os.environ, "RAY_AUTH_MODE": "token", "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(

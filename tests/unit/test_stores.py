@@ -251,10 +251,19 @@ def test_a_filesystem_sent_to_another_process_builds_its_own_client_there(
     faults: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What Ray pickles to a worker is the bucket's URI: the worker's own environment
-    says where the store is (and its client retries as raylift's does)."""
+    says where the store is (and its client retries as raylift's does); a fresh process
+    reads with it as it is."""
+    import subprocess
+    import sys
+
     uri = f"s3://data/{tmp_path.name}/f"
     storage.write_bytes(uri, b"hello")
     fs, where = storage.filesystem(uri)
+    read = f"import pickle, sys; print(pickle.loads(sys.stdin.buffer.read()).open_input_stream({where!r}).read())"  # noqa: E501
+    fresh = subprocess.run(
+        [sys.executable, "-c", read], input=pickle.dumps(fs), capture_output=True
+    )
+    assert fresh.stdout == b"b'hello'\n", fresh.stderr[-2000:]
     other = FaultProxy(faults.endpoint)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", other.endpoint)

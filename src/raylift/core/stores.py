@@ -169,7 +169,6 @@ def open_uri(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     where = f"{bucket.rpartition('@')[2]}/{key}".rstrip("/")
     if scheme != "s3":
         where = pafs.FileSystem.from_uri(path)[1]
-    pafs.FileSystemHandler.register(Resilient)
     return pafs.PyFileSystem(Resilient(f"{scheme}://{bucket}")), where
 
 
@@ -221,6 +220,9 @@ class Resilient:
     as a handler when first used: ``import raylift`` loads no pyarrow.)"""
 
     def __init__(self, root: str):
+        import pyarrow.fs as pafs
+
+        pafs.FileSystemHandler.register(Resilient)  # also where it was unpickled, before use
         self.root = root
         self.fs = native(root)
         self.client_retries = retried_by_client(self.fs)

@@ -65,7 +65,7 @@ def reaching(uri: str, what: str, then: str | None = None) -> Iterator[None]:
         else:
             fix = (
                 "check that it exists and that every node's credentials (AWS_*, "
-                f"GOOGLE_APPLICATION_CREDENTIALS) can write it, then {then}"
+                f"GOOGLE_APPLICATION_CREDENTIALS) can read and write it, then {then}"
             )
         raise StorageError(f"storage {uri}: {what} failed: {said}; {fix}") from exc
 

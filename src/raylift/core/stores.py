@@ -236,7 +236,7 @@ class Resilient:
     def __hash__(self) -> int:
         return hash(self.root)
 
-    def _call(self, operation: Callable[[], T]) -> T:
+    def call(self, operation: Callable[[], T]) -> T:
         return retry(operation, self.client_retries)
 
     def get_type_name(self) -> str:
@@ -246,31 +246,31 @@ class Resilient:
         return str(self.fs.normalize_path(path))
 
     def get_file_info(self, paths: list[str]) -> list[Any]:
-        return self._call(lambda: list(self.fs.get_file_info(paths)))
+        return self.call(lambda: list(self.fs.get_file_info(paths)))
 
     def get_file_info_selector(self, selector: Any) -> list[Any]:
-        return self._call(lambda: list(self.fs.get_file_info(selector)))
+        return self.call(lambda: list(self.fs.get_file_info(selector)))
 
     def create_dir(self, path: str, recursive: bool) -> None:
-        self._call(lambda: self.fs.create_dir(path, recursive=recursive))
+        self.call(lambda: self.fs.create_dir(path, recursive=recursive))
 
     def delete_dir(self, path: str) -> None:
-        self._call(lambda: self.fs.delete_dir(path))
+        self.call(lambda: self.fs.delete_dir(path))
 
     def delete_dir_contents(self, path: str, missing_dir_ok: bool = False) -> None:
-        self._call(lambda: self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok))
+        self.call(lambda: self.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok))
 
     def delete_root_dir_contents(self) -> None:
-        self._call(lambda: self.fs.delete_dir_contents("/", accept_root_dir=True))
+        self.call(lambda: self.fs.delete_dir_contents("/", accept_root_dir=True))
 
     def delete_file(self, path: str) -> None:
-        self._call(lambda: self.fs.delete_file(path))
+        self.call(lambda: self.fs.delete_file(path))
 
     def move(self, src: str, dest: str) -> None:
-        self._call(lambda: self.fs.move(src, dest))
+        self.call(lambda: self.fs.move(src, dest))
 
     def copy_file(self, src: str, dest: str) -> None:
-        self._call(lambda: self.fs.copy_file(src, dest))
+        self.call(lambda: self.fs.copy_file(src, dest))
 
     def open_input_stream(self, path: str) -> Any:
         return self.open_input_file(path)
@@ -282,10 +282,10 @@ class Resilient:
 
     def open_output_stream(self, path: str, metadata: Any) -> Any:
         # A write broken mid-way cannot resume: its caller writes it again (write_bytes).
-        return self._call(lambda: self.fs.open_output_stream(path, metadata=metadata))
+        return self.call(lambda: self.fs.open_output_stream(path, metadata=metadata))
 
     def open_append_stream(self, path: str, metadata: Any) -> Any:
-        return self._call(lambda: self.fs.open_append_stream(path, metadata=metadata))
+        return self.call(lambda: self.fs.open_append_stream(path, metadata=metadata))
 
 
 class Resuming:
@@ -297,7 +297,7 @@ class Resuming:
 
     def __init__(self, store: Resilient, path: str):
         self.store, self.path = store, path
-        self._file: Any = store._call(lambda: store.fs.open_input_file(path))
+        self._file: Any = store.call(lambda: store.fs.open_input_file(path))
         self._size = int(self._file.size())
         self._pos = 0
         self.closed = False

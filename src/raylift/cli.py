@@ -226,12 +226,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _run_summary(run: str) -> str:
     """One line naming what a run folder holds, from the config it recorded."""
 
-    if run_config_text(run) is None:
+    import yaml
+
+    text = run_config_text(run)
+    if text is None:
         return f"raylift: {run}: no {RUN_CONFIG} (a run from before runs recorded their config)"
-    cfg = load_config(run)
+    # Read as text, not loaded: loading imports the module its task names, and verify runs
+    # on folders it does not trust.
+    raw = yaml.safe_load(text) or {}
+    strategy = (raw.get("strategy") or {}).get("name", "ddp")
+    workers = (raw.get("scaling") or {}).get("num_workers", "?")
     return (
-        f"raylift: {run}: run {cfg.name!r}, task {cfg.task}, strategy {cfg.strategy.name}, "
-        f"precision {cfg.precision}, {cfg.scaling.num_workers} worker(s)"
+        f"raylift: {run}: run {raw.get('name')!r}, task {raw.get('task')}, strategy {strategy}, "
+        f"precision {raw.get('precision')}, {workers} worker(s)"
     )
 
 

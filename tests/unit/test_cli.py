@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from raylift.cli import main
+from raylift.core.parsing import RUN_CONFIG
 from tests.helpers import HANG_S
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
@@ -118,3 +119,27 @@ def test_the_storage_check_leaves_no_folder_behind(tmp_path: Path) -> None:
     (tmp_path / "kept").mkdir()
     writable(str(tmp_path / "kept"), "storage")
     assert (tmp_path / "kept").is_dir() and not list((tmp_path / "kept").iterdir())
+
+
+def test_verify_reads_a_run_folder_without_importing_the_task_its_config_names(
+    tmp_path: Path,
+) -> None:
+    """A run folder is data: the module its recorded config names as the task is code, and
+    verify (which needs no model) never imports it, whoever wrote the folder."""
+    marker = tmp_path / "imported"
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "planted_task.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\nclass Task: ...\n"
+    )
+    run = tmp_path / "runs" / "x"
+    (run / "checkpoint-step00000001").mkdir(parents=True)
+    (run / RUN_CONFIG).write_text(
+        yaml.safe_dump({"name": "x", "task": "planted_task:Task", "precision": "32"})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "raylift.cli", "verify", str(run)],
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path / "code")},
+        capture_output=True, text=True, timeout=HANG_S,
+    )  # fmt: skip
+    assert "task planted_task:Task" in done.stdout + done.stderr, done.stderr
+    assert not marker.exists()

@@ -3,10 +3,12 @@
 A checkpoint of such a run holds the adapters (and ``modules_to_save``) alone. ``--format
 peft`` writes them as ``PeftModel.from_pretrained(base, DIR)`` loads them:
 ``adapter_model.safetensors`` under PEFT's names and ``adapter_config.json`` naming the
-base. ``--format hf`` writes the merged model, ``W + alpha / r * B @ A`` for every adapted
-layer: the base is read one tensor at a time from its safetensors files (ranged reads,
-local or in an object store), merged and written before the next is read, so the base is
-never in memory whole; the adapters, small, are.
+base. ``--format hf`` writes the merged model as PEFT's ``merge_and_unload`` makes it,
+``W + scale * B @ A`` for every adapted layer (scale alpha / r, or alpha / sqrt(r) with
+rsLoRA), each row then rescaled to its trained magnitude with DoRA: the base is read one
+tensor at a time from its safetensors files (ranged reads, local or in an object store),
+merged and written before the next is read, so the base is never in memory whole; the
+adapters, small, are.
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from raylift.artifacts.export import each_tensor, hf_config_of, shard_bytes
 from raylift.core import storage
 from raylift.tensors.adapters import (
     ADAPTER_NAME,
+    MAGNITUDE,
     PEFT_WEIGHTS,
     is_adapter,
+    lora_config,
     peft_key,
+    scale,
     targets,
     transposed_layers,
 )
@@ -47,9 +52,8 @@ def adapter_modules(cfg: Any, task: Any) -> tuple[list[str], list[str]]:
 
 def export_peft(path: str, out: Path, cfg: Any, task: Any) -> tuple[str, int]:
     """``adapter_model.safetensors`` and ``adapter_config.json`` of the run's newest intact
-    checkpoint; the checkpoint used and the tensors written."""
-    from peft import LoraConfig
-
+    checkpoint (rsLoRA and DoRA said there as PEFT says them); the checkpoint used and the
+    tensors written."""
     chosen, saved = adapter_modules(cfg, task)
     whole = tuple(f"{n}." for n in saved)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,12 +71,7 @@ def export_peft(path: str, out: Path, cfg: Any, task: Any) -> tuple[str, int]:
         return len(kept)
 
     ckpt, n = each_tensor(path, write)
-    wanted = cfg.model.adapter
-    config = LoraConfig(
-        r=wanted.r, lora_alpha=wanted.alpha, lora_dropout=wanted.dropout,
-        target_modules=chosen, modules_to_save=saved or None,
-        base_model_name_or_path=weights_path(cfg, task),
-    )  # fmt: skip
+    config = lora_config(cfg.model.adapter, chosen, saved, weights_path(cfg, task))
     config.save_pretrained(str(out))
     return ckpt, n
 
@@ -92,10 +91,9 @@ def merged_model(path: str, cfg: Any, task: Any, fmt: str) -> tuple[str, Merged]
         return len(trained)
 
     ckpt, _ = each_tensor(path, keep)
-    wanted = cfg.model.adapter
     model = meta_model(task)
-    scale = wanted.alpha / wanted.r
-    return ckpt, Merged(base, trained, scale, Layout(model), transposed_layers(model))
+    layers = (scale(cfg.model.adapter), Layout(model), transposed_layers(model))
+    return ckpt, Merged(base, trained, *layers)
 
 
 def export_merged_file(path: str, out: Path, cfg: Any, task: Any, fmt: str) -> tuple[str, int]:
@@ -164,14 +162,20 @@ class Merged:
         tensor = torch.frombuffer(data, dtype=spec.dtype).view(spec.shape) if data else (
             torch.empty(spec.shape, dtype=spec.dtype))  # fmt: skip
         module = name.removesuffix(".weight")
-        a = self.trained.get(f"{module}.lora_A.{ADAPTER_NAME}.weight")
-        b = self.trained.get(f"{module}.lora_B.{ADAPTER_NAME}.weight")
+        a, b, magnitude = (
+            self.trained.get(f"{module}.{part}.{ADAPTER_NAME}.weight")
+            for part in ("lora_A", "lora_B", MAGNITUDE)
+        )
         if a is None or b is None:
             return tensor
-        delta = self.scale * (b.float() @ a.float())
-        if module in self.transposed:
-            delta = delta.T
-        return (tensor.float() + delta).to(spec.dtype)
+        # Worked (out, in), as nn.Linear holds it; GPT-2's Conv1D holds (in, out).
+        flip = module in self.transposed
+        weight = (tensor.float().T if flip else tensor.float()) + self.scale * (
+            b.float() @ a.float()
+        )
+        if magnitude is not None:  # DoRA: each row rescaled to its trained magnitude
+            weight = weight * (magnitude.float() / torch.linalg.norm(weight, dim=1)).unsqueeze(1)
+        return (weight.T if flip else weight).to(spec.dtype)
 
 
 def _entries(file: str) -> dict[str, tuple[torch.dtype, list[int], int, int]]:

@@ -313,12 +313,19 @@ class AdapterConfig:
     # (PEFT's LoRA); null: every parameter trains
     type: str | None = None
     r: int = 8  # the rank of each adapter's two matrices
-    alpha: float = 16.0  # the adapter's output is scaled by alpha / r
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / r (rslora: alpha / sqrt(r))
+    # rank-stabilised LoRA (PEFT's use_rslora): the output scaled by alpha / sqrt(r), so a
+    # higher rank does not train more slowly
+    rslora: bool = False
+    # DoRA (PEFT's use_dora): each adapted layer's weight split into a magnitude per output
+    # (trained, starting at the base's row norms) and a direction the adapters move
+    dora: bool = False
     dropout: float = 0.0  # dropout on the adapter's input
     # all-linear: every nn.Linear (and GPT-2's Conv1D) but the output head; or a list of
     # module names (a name matches a module whose full name is it or ends in .name)
     target_modules: str | list[str] = "all-linear"
-    # modules trained whole beside the adapters (the embeddings, say), by name as above
+    # modules trained whole beside the adapters (an untied embedding, say), by name as
+    # above; not one whose weight another module shares (a tied head)
     modules_to_save: list[str] = dataclasses.field(default_factory=list)
     # adapters to start from instead of a fresh draw: a PEFT folder (adapter_config.json,
     # adapter_model.safetensors; local or a URI) or the MLflow model of a run that
@@ -332,6 +339,12 @@ class AdapterConfig:
                 "model.adapter.weights: adapters to start from, but model.adapter.type is "
                 "null (every parameter trains); set model.adapter.type: lora"
             )
+        for key in ("rslora", "dora"):
+            if getattr(self, key) and not self.type:
+                out.append(
+                    f"model.adapter.{key}: set, but model.adapter.type is null (every "
+                    "parameter trains); set model.adapter.type: lora, or remove the key"
+                )
         if self.type is not None and self.type not in ADAPTERS:
             out.append(
                 f"model.adapter.type: {self.type!r} is not one of {ADAPTERS}; null trains "

@@ -35,6 +35,7 @@ from raylift.tensors.adapters import (
     attach,
     describe,
     init_adapters,
+    init_magnitudes,
     is_adapter,
     saved_whole,
 )
@@ -119,6 +120,8 @@ def initial_weights(
 
     if weights:
         load(model, weights, write)
+    if adapters is not None and adapters.dora:  # PEFT's start: the loaded base's row norms
+        report.adapters += init_magnitudes(model, write, whole)
     if adapters is not None and adapters.weights:  # the adapters to start from, over the draw
         file = storage.join(adapters.weights, PEFT_WEIGHTS)
         named_as = adapter_tensors(saved_whole(model, adapters))

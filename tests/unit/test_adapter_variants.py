@@ -351,3 +351,24 @@ def test_rslora_and_dora_exports_are_what_peft_loads_and_merges(
         for key, tensor in ours.state_dict().items():
             torch.testing.assert_close(tensor, merged[key], rtol=0, atol=1e-6, msg=key)
         assert (got - logits_of(load_hf(pretrained), trained.shape[-1])).abs().max() > 1e-3
+
+
+@pytest.mark.slow  # variant_curves trains under every strategy
+def test_a_resume_with_adapters_of_another_meaning_is_refused(variant_curves: dict) -> None:
+    """The checkpoint records what its adapters are: rsLoRA turned off (another scale on
+    the same tensors) or DoRA turned on stops the resume, naming both."""
+    from raylift.run.checkpointing import load_checkpoint
+    from raylift.tensors.adapters import meaning
+    from raylift.tensors.checkpoints import CheckpointReader
+    from raylift.tensors.weights import base_of, weights_path
+
+    runs = variant_curves["fsdp"]
+    ckpt = runs["root"] / "rslora" / "checkpoint-step00000002"
+    cfg = config_from_dict(runs["runs"]["rslora"])
+    base = base_of(cfg, weights_path(cfg, build_task(cfg.task, cfg.task_args)))
+    for change, said in (({"rslora": False}, "rslora: True; this run has rslora: False"),
+                         ({"dora": True}, "dora: False; this run has dora: True")):  # fmt: skip
+        other = AdapterConfig(**{**vars(cfg.model.adapter), **change})
+        with pytest.raises(ConfigError) as caught:
+            load_checkpoint(CheckpointReader(str(ckpt)), None, 0, "fsdp", base, meaning(other))  # type: ignore[arg-type]
+        assert f"model.adapter: checkpoint {ckpt} trained adapters with {said}" in str(caught.value)

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from raylift.core import storage
+from raylift.core.config import ConfigError
 from raylift.run.context import WorkerContext, gather
 from raylift.strategies.base import Engine, Write
 from raylift.tensors.checkpoints import (
@@ -51,9 +52,11 @@ def load_checkpoint(
     rank: int,
     strategy: str,
     base: dict[str, str] | None = None,
+    adapter: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore ``engine`` and this rank's RNG; return the loop state saved with them.
-    ``base``: what the run's adapters train on (:func:`raylift.tensors.weights.base_of`)."""
+    ``base``: what the run's adapters train on (:func:`raylift.tensors.weights.base_of`);
+    ``adapter``: what they are (:func:`raylift.tensors.adapters.meaning`)."""
     directory = reader.directory
     state = reader.loop_state()
     if state.get("strategy") != strategy:
@@ -62,6 +65,7 @@ def load_checkpoint(
             f"run uses {strategy!r}; set strategy.name back, or start a new run under another name"
         )
     same_base(directory, state.get("base"), base)
+    same_adapters(directory, state.get("adapter"), adapter)
     try:
         engine.load(reader)
     except (CheckpointError, RefusedPickle):
@@ -75,6 +79,24 @@ def load_checkpoint(
     if reader.has(rng_file(rank)):
         set_rng_state(reader.load(rng_file(rank)))
     return state
+
+
+def same_adapters(
+    directory: str, saved: dict[str, Any] | None, adapter: dict[str, Any] | None
+) -> None:
+    """ConfigError where ``model.adapter`` would give the checkpoint's adapters another
+    meaning (another scale, DoRA on or off, other layers). Checkpoints that recorded
+    nothing (older ones) are not compared."""
+    if saved is None or adapter is None:
+        return
+    changed = [key for key in saved if saved[key] != adapter.get(key)]
+    if changed:
+        was = ", ".join(f"{key}: {saved[key]!r}" for key in changed)
+        now = ", ".join(f"{key}: {adapter.get(key)!r}" for key in changed)
+        raise ConfigError([
+            f"model.adapter: checkpoint {directory} trained adapters with {was}; this run "
+            f"has {now}. Set model.adapter back, or start a new run under another name"
+        ])  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -103,8 +125,10 @@ class Checkpointer:
         ctx: WorkerContext,
         strategy: str,
         base: dict[str, str] | None = None,
+        adapter: dict[str, Any] | None = None,
     ):
         self.engine, self.ctx, self.strategy, self.base = engine, ctx, strategy, base
+        self.adapter = adapter
         self.bytes_read = 0  # by every rank together, in the last restore
 
     def restore(self, directory: str) -> dict[str, Any]:
@@ -115,7 +139,9 @@ class Checkpointer:
         try:
             reader = CheckpointReader(directory, agree)
             saved, problem = (
-                load_checkpoint(reader, self.engine, self.ctx.rank, self.strategy, self.base),
+                load_checkpoint(
+                    reader, self.engine, self.ctx.rank, self.strategy, self.base, self.adapter
+                ),
                 None,
             )
         except (CheckpointError, RefusedPickle) as exc:

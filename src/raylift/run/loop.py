@@ -37,6 +37,7 @@ from raylift.tensors.adapters import (
     init_adapters,
     init_magnitudes,
     is_adapter,
+    meaning,
     saved_whole,
 )
 from raylift.tensors.init import InitReport, initialize, kept_by_name, whole
@@ -176,7 +177,10 @@ class Trainer:
         self.clock = PhaseClock(ctx.device, ctx.now)
         self.engine, fps = self._build_engine()
         self.base = base_of(cfg, weights_path(cfg, task))
-        self.checkpointer = Checkpointer(self.engine, ctx, cfg.strategy.name, self.base)
+        self.adapter = meaning(cfg.model.adapter)
+        self.checkpointer = Checkpointer(
+            self.engine, ctx, cfg.strategy.name, self.base, self.adapter
+        )
         self.leaving = Leaving()
         self.saver = Saver(self.engine, ctx, cfg.checkpoint.async_)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
@@ -265,6 +269,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "strategy": self.cfg.strategy.name,
             "base": self.base,  # what the adapters train on; None without adapters
+            "adapter": self.adapter,  # what they are: rank, alpha, rsLoRA, DoRA, layers
             "world_size": self.ctx.world_size,
             "global_batch": self.global_batch,
             # Reports after a restart carry the last evaluation, as Tune's schedulers expect.

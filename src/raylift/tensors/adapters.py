@@ -190,6 +190,16 @@ def scale(cfg: AdapterConfig) -> float:
     return cfg.alpha / (math.sqrt(cfg.r) if cfg.rslora else cfg.r)
 
 
+def meaning(cfg: AdapterConfig) -> dict[str, Any] | None:
+    """What the run's adapters are, as its checkpoints record it: a resume whose
+    ``model.adapter`` would give the saved tensors another meaning is refused. None
+    without adapters."""
+    if not cfg.type:
+        return None
+    keys = ("r", "alpha", "rslora", "dora", "target_modules", "modules_to_save")
+    return {key: getattr(cfg, key) for key in keys}
+
+
 def kind(cfg: AdapterConfig) -> str:
     """The adapters' name on the run's lines: LoRA, rsLoRA, DoRA."""
     return ("rs" if cfg.rslora else "") + ("DoRA" if cfg.dora else "LoRA")

@@ -32,7 +32,8 @@ from tests.helpers import ListTracker, LocalReporter, make_config, run_ranks
 from tests.unit.test_adapters import STRATEGIES, export_cli, pretrained  # noqa: F401
 from tests.zoo import LORA, STEPS, probe, zoo_config, zoo_train
 
-VARIANTS = {"rslora": {"rslora": True}, "dora": {"dora": True}}
+# DoRA's run trains the final norm whole beside it (an untied module: PEFT's meaning).
+VARIANTS = {"rslora": {"rslora": True}, "dora": {"dora": True, "modules_to_save": ["norm"]}}
 R, ALPHA = LORA["adapter"]["r"], LORA["adapter"]["alpha"]  # the zoo's: 4 and 8
 
 
@@ -107,17 +108,24 @@ def test_rslora_and_dora_are_keys_of_model_adapter() -> None:
     assert any(p.startswith("model.adapter.rank_pattern: unknown key") for p in said)
 
 
-def test_a_module_saved_whole_that_shares_its_weight_is_refused_before_any_worker(
+def test_a_module_saved_whole_that_shares_its_weight_or_is_adapted_is_refused(
     pretrained: Path,  # noqa: F811
 ) -> None:
     """The tiny Llama ties its head to its embeddings: PEFT would train a copy of
-    embed_tokens apart from the head, raylift the one weight, so the driver refuses."""
+    embed_tokens apart from the head, raylift the one weight; and PEFT puts no adapter on
+    a module it saves whole. The driver refuses both before any worker starts."""
     cfg = config_from_dict(adapter_run(pretrained, modules_to_save=["embed_tokens"]))
     with pytest.raises(ConfigError) as caught:
         check_for_config(cfg, build_task(cfg.task, cfg.task_args))
     said = str(caught.value)
     assert "model.adapter.modules_to_save: model.embed_tokens shares its weight with" in said
     assert "lm_head" in said and "(tied)" in said
+    cfg = config_from_dict(adapter_run(pretrained, modules_to_save=["q_proj"]))
+    with pytest.raises(ConfigError) as caught:
+        check_for_config(cfg, build_task(cfg.task, cfg.task_args))
+    assert "model.adapter.modules_to_save: model.layers.0.self_attn.q_proj is adapted too" in str(
+        caught.value
+    )
 
 
 # ------------------------------------------------------------ folders PEFT writes

@@ -134,6 +134,13 @@ def attach(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
             f"model.adapter.modules_to_save: {cfg.modules_to_save!r} matches no module of the model"
         ])  # fmt: skip
     _refuse_tied(model, saved)
+    both = [n for n in chosen if any(n == w or n.startswith(f"{w}.") for w in saved)]
+    if both:
+        raise ConfigError([
+            f"model.adapter.modules_to_save: {both[0]} is adapted too (target_modules); PEFT "
+            "trains a module saved whole without adapters on it, so these would not load "
+            "in PEFT as trained: leave it out of one of the two"
+        ])  # fmt: skip
     # Full names: PEFT matches a module whose name is one, or ends in "." + one. The
     # modules saved whole are trained in place (no PEFT wrapper renaming them).
     plain = dataclasses.replace(cfg, dora=False)  # DoRA's magnitudes are added below

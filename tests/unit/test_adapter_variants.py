@@ -108,12 +108,13 @@ def test_rslora_and_dora_are_keys_of_model_adapter() -> None:
     assert any(p.startswith("model.adapter.rank_pattern: unknown key") for p in said)
 
 
-def test_a_module_saved_whole_that_shares_its_weight_or_is_adapted_is_refused(
+def test_what_peft_would_train_otherwise_is_refused_before_any_worker(
     pretrained: Path,  # noqa: F811
 ) -> None:
     """The tiny Llama ties its head to its embeddings: PEFT would train a copy of
-    embed_tokens apart from the head, raylift the one weight; and PEFT puts no adapter on
-    a module it saves whole. The driver refuses both before any worker starts."""
+    embed_tokens apart from the head, raylift the one weight; PEFT puts no adapter on a
+    module it saves whole; an embedding's adapters are shaped otherwise. The driver
+    refuses each before any worker starts."""
     cfg = config_from_dict(adapter_run(pretrained, modules_to_save=["embed_tokens"]))
     with pytest.raises(ConfigError) as caught:
         check_for_config(cfg, build_task(cfg.task, cfg.task_args))
@@ -126,6 +127,11 @@ def test_a_module_saved_whole_that_shares_its_weight_or_is_adapted_is_refused(
     assert "model.adapter.modules_to_save: model.layers.0.self_attn.q_proj is adapted too" in str(
         caught.value
     )
+    cfg = config_from_dict(adapter_run(pretrained, target_modules=["embed_tokens"], dora=True))
+    with pytest.raises(ConfigError) as caught:
+        check_for_config(cfg, build_task(cfg.task, cfg.task_args))
+    said = str(caught.value)
+    assert "model.adapter.target_modules: model.embed_tokens is a Embedding; raylift puts " in said
 
 
 # ------------------------------------------------------------ folders PEFT writes

@@ -145,12 +145,28 @@ def attach(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
     # modules saved whole are trained in place (no PEFT wrapper renaming them).
     plain = dataclasses.replace(cfg, dora=False)  # DoRA's magnitudes are added below
     model = inject_adapter_in_model(lora_config(plain, chosen), model, adapter_name=ADAPTER_NAME)
+    _refuse_unlike_linear(model)
     if cfg.dora:
         add_magnitudes(model)
     trained = tuple(f"{n}." for n in saved)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or name.startswith(trained))
     return model
+
+
+def _refuse_unlike_linear(model: nn.Module) -> None:
+    """An adapted module that is not a linear layer (an embedding, a convolution): PEFT
+    gives those adapters of another shape, which raylift neither draws nor merges."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and not isinstance(layer, Linear):
+            raise ConfigError([
+                f"model.adapter.target_modules: {name} is a "
+                f"{type(layer.get_base_layer()).__name__}; raylift puts adapters on linear "
+                "layers (nn.Linear, GPT-2's Conv1D): leave it out, or train it whole "
+                "(modules_to_save)"
+            ])  # fmt: skip
 
 
 def _refuse_tied(model: nn.Module, saved: list[str]) -> None:
@@ -254,20 +270,15 @@ def add_magnitudes(model: nn.Module) -> None:
     its magnitude module), each magnitude drawn as ones: PEFT starts one at the row norms
     of the weight beside it, which a sharded build does not hold yet (meta, or ZeRO-3's
     partitions), so :func:`init_magnitudes` sets them once the base is loaded. Built here,
-    inside the strategy's build, the magnitudes are sharded as any parameter is."""
-    from peft.tuners.lora import Linear, LoraLayer
+    inside the strategy's build, the magnitudes are sharded as any parameter is. Every
+    adapted layer is a linear one (:func:`attach` refuses others)."""
+    from peft.tuners.lora import Linear
     from peft.tuners.lora.variants import DoraLinearVariant
 
     magnitude = _magnitude_class()
-    layer: Any
-    for name, layer in model.named_modules():
-        if not isinstance(layer, LoraLayer):
-            continue
+    for layer in model.modules():
         if not isinstance(layer, Linear):
-            raise ConfigError([
-                f"model.adapter.dora: {name} is a {type(layer.get_base_layer()).__name__}; "
-                "DoRA here adapts linear layers: leave it out of model.adapter.target_modules"
-            ])  # fmt: skip
+            continue
         outputs = full_shape(cast(nn.Parameter, layer.lora_B[ADAPTER_NAME].weight))[0]
         layer.lora_variant[ADAPTER_NAME] = DoraLinearVariant()
         layer.use_dora[ADAPTER_NAME] = True

@@ -128,6 +128,23 @@ def attach(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
             f"model.adapter.target_modules: {cfg.target_modules!r} matches no module of the "
             "model; name modules it has (e.g. q_proj, v_proj) or write all-linear"
         ])  # fmt: skip
+    saved = _saved_as_peft_saves(model, cfg, chosen)
+    # Full names: PEFT matches a module whose name is one, or ends in "." + one. The
+    # modules saved whole are trained in place (no PEFT wrapper renaming them).
+    plain = dataclasses.replace(cfg, dora=False)  # DoRA's magnitudes are added below
+    model = inject_adapter_in_model(lora_config(plain, chosen), model, adapter_name=ADAPTER_NAME)
+    _refuse_unlike_linear(model)
+    if cfg.dora:
+        add_magnitudes(model)
+    trained = tuple(f"{n}." for n in saved)
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter(name) or name.startswith(trained))
+    return model
+
+
+def _saved_as_peft_saves(model: nn.Module, cfg: AdapterConfig, chosen: list[str]) -> list[str]:
+    """The modules ``cfg.modules_to_save`` names, each one PEFT would train whole as
+    raylift does: its own weight (not tied), and no adapter on it."""
     saved = targets(model, cfg.modules_to_save) if cfg.modules_to_save else []
     if cfg.modules_to_save and not saved:
         raise ConfigError([
@@ -141,17 +158,7 @@ def attach(model: nn.Module, cfg: AdapterConfig) -> nn.Module:
             "trains a module saved whole without adapters on it, so these would not load "
             "in PEFT as trained: leave it out of one of the two"
         ])  # fmt: skip
-    # Full names: PEFT matches a module whose name is one, or ends in "." + one. The
-    # modules saved whole are trained in place (no PEFT wrapper renaming them).
-    plain = dataclasses.replace(cfg, dora=False)  # DoRA's magnitudes are added below
-    model = inject_adapter_in_model(lora_config(plain, chosen), model, adapter_name=ADAPTER_NAME)
-    _refuse_unlike_linear(model)
-    if cfg.dora:
-        add_magnitudes(model)
-    trained = tuple(f"{n}." for n in saved)
-    for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter(name) or name.startswith(trained))
-    return model
+    return saved
 
 
 def _refuse_unlike_linear(model: nn.Module) -> None:
@@ -225,7 +232,9 @@ def meaning(cfg: AdapterConfig) -> dict[str, Any] | None:
 
 def kind(cfg: AdapterConfig) -> str:
     """The adapters' name on the run's lines: LoRA, rsLoRA, DoRA."""
-    return ("rs" if cfg.rslora else "") + ("DoRA" if cfg.dora else "LoRA")
+    if cfg.dora:
+        return "DoRA with rsLoRA's scale" if cfg.rslora else "DoRA"
+    return "rsLoRA" if cfg.rslora else "LoRA"
 
 
 def describe(model: nn.Module, cfg: AdapterConfig) -> str:

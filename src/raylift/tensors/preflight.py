@@ -49,7 +49,7 @@ def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str]
             f"model.adapter.weights: {folder} has no {PEFT_CONFIG}; point it at a PEFT "
             "adapter folder (raylift export RUN --format peft writes one)"
         )
-    saved = json.loads(text)
+    saved = _lora_config_of(folder, text)
     _refuse_unhonoured(folder, saved)
     wanted = cfg.model.adapter
     model = meta_model(task)
@@ -58,6 +58,26 @@ def check_adapter_weights(cfg: Any, task: Any, folder: str, base: dict[str, str]
     named_as = adapter_tensors(saved_whole(model, wanted))
     file = storage.join(folder, PEFT_WEIGHTS)
     check(attach(model, wanted), file, named_as, "model.adapter.weights")
+
+
+def _lora_config_of(folder: str, text: str) -> dict[str, Any]:
+    """The folder's adapter_config.json as a dict, its rank and alpha numbers; WeightsError
+    naming the file where it is not."""
+    try:
+        saved = json.loads(text)
+        if not isinstance(saved, dict):
+            raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+        float(saved.get("lora_alpha", 0)), int(saved.get("r", 0))
+        for key in ("target_modules", "modules_to_save"):
+            names = saved.get(key) or []
+            if not isinstance(names, str) and not all(isinstance(n, str) for n in names):
+                raise ValueError(f"{key} {names!r} is not a name or a list of names")
+    except (ValueError, TypeError) as exc:
+        raise WeightsError(
+            f"model.adapter.weights: {storage.join(folder, PEFT_CONFIG)} is not a PEFT "
+            f"LoraConfig ({exc}); point model.adapter.weights at a folder PEFT saved"
+        ) from None
+    return saved
 
 
 # The LoraConfig keys raylift reads from a folder and compares with model.adapter.
@@ -132,7 +152,7 @@ def _check_same_adapters(
 ) -> None:
     """The folder's LoraConfig against this run's ``model.adapter``: rank, alpha and the
     layers each adapts (the folder's as PEFT resolves them on ``spare``, a model of the
-    task), then rsLoRA, DoRA and the modules saved whole."""
+    task), then the kind of adapters."""
     layers = targets(model, wanted.target_modules)
     theirs_layers = _peft_layers(saved, spare)
     same = (saved.get("r"), float(saved.get("lora_alpha", 0)), sorted(theirs_layers)) == (
@@ -146,6 +166,11 @@ def _check_same_adapters(
             "set model.adapter as the adapters were trained, or model.adapter.weights: null "
             "to start them afresh"
         )
+    _check_same_kind(folder, saved, wanted, model)
+
+
+def _check_same_kind(folder: str, saved: dict[str, Any], wanted: Any, model: Any) -> None:
+    """rsLoRA, DoRA and the modules saved whole: the folder's against ``model.adapter``."""
     for key, ours in (("use_rslora", "rslora"), ("use_dora", "dora")):
         theirs = bool(saved.get(key))
         if theirs != getattr(wanted, ours):
@@ -155,7 +180,8 @@ def _check_same_adapters(
                 f"{json.dumps(getattr(wanted, ours))}: set model.adapter.{ours}: "
                 f"{json.dumps(theirs)} as they were trained"
             )
-    whole = sorted(targets(model, saved.get("modules_to_save") or []))
+    named = saved.get("modules_to_save") or []
+    whole = sorted(targets(model, [named] if isinstance(named, str) else named))
     if whole != sorted(saved_whole(model, wanted)):
         raise WeightsError(
             f"model.adapter.weights: {folder} was saved with modules_to_save: "
@@ -173,10 +199,13 @@ def _peft_layers(saved: dict[str, Any], model: Any) -> list[str]:
 
     # What places the adapters; a module saved whole is never adapted too, in PEFT.
     keep = ("r", "lora_alpha", "target_modules", "modules_to_save")
-    config = LoraConfig(**{k: saved[k] for k in keep if k in saved}, init_lora_weights=False)
+    try:
+        config = LoraConfig(**{k: saved[k] for k in keep if k in saved}, init_lora_weights=False)
+    except (ValueError, TypeError):
+        return []
     try:
         inject_adapter_in_model(config, model)
-    except ValueError:  # PEFT's "Target modules ... not found in the base model"
+    except (ValueError, TypeError):  # "Target modules ... not found", or not names at all
         return []
     return [n for n, m in model.named_modules() if isinstance(m, LoraLayer)]
 

@@ -182,9 +182,8 @@ def _refuse_tied(model: nn.Module, saved: list[str]) -> None:
     the others, so its PEFT folder would load with another meaning."""
     owners: dict[int, set[str]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        for p in module._parameters.values():
-            if p is not None:
-                owners.setdefault(id(p), set()).add(name)
+        for _, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(p), set()).add(name)
     for name in saved:
         mine = {id(p) for p in model.get_submodule(name).parameters()}
         others = sorted(

@@ -98,6 +98,7 @@ def test_plan_rows_keep_their_order_and_are_valid_configs() -> None:
         "fairscale",
         "zero2",
         "fsdp",
+        "fsdp-full",  # only where the run spans nodes: on one it is fsdp's twin
         "zero3",
         "zero3-offload",
     ]
@@ -107,3 +108,12 @@ def test_plan_rows_keep_their_order_and_are_valid_configs() -> None:
         assert config_problems(cfg) == [], row.label
         assert plan_row_for(cfg.strategy) is row
     assert plan_row_for(StrategyConfig(name=AUTO)) is None
+
+
+def test_a_resume_crosses_strategies_only_within_one_checkpoint_format() -> None:
+    from raylift.run.checkpointing import same_format
+
+    assert same_format("fsdp", "ddp") and same_format("ddp", "fsdp")  # both DCP
+    assert same_format("deepspeed", "deepspeed")
+    assert not same_format("deepspeed", "fsdp") and not same_format("fairscale", "ddp")
+    assert not same_format(None, "ddp") and not same_format("mine", "ddp")

@@ -14,6 +14,7 @@ import torch
 from raylift.core import storage
 from raylift.core.config import ConfigError
 from raylift.run.context import WorkerContext, gather
+from raylift.strategies import REGISTRY
 from raylift.strategies.base import Engine, Write
 from raylift.tensors.checkpoints import (
     FORMAT,
@@ -46,6 +47,15 @@ def write_checkpoint(
     return write
 
 
+def same_format(saved: object, strategy: str) -> bool:
+    """Whether a checkpoint ``saved`` by one strategy holds state ``strategy`` can read:
+    DDP's and FSDP's (any mesh) are both DCP, resharded as they load."""
+    if saved == strategy:
+        return True
+    formats = {name: spec.state_format for name, spec in REGISTRY.items()}
+    return saved in formats and formats[saved] == formats.get(strategy)
+
+
 def load_checkpoint(
     reader: CheckpointReader,
     engine: Engine,
@@ -59,7 +69,7 @@ def load_checkpoint(
     ``adapter``: what they are (:func:`raylift.tensors.adapters.meaning`)."""
     directory = reader.directory
     state = reader.loop_state()
-    if state.get("strategy") != strategy:
+    if not same_format(state.get("strategy"), strategy):
         raise CheckpointError(
             f"checkpoint {directory} was written by strategy {state.get('strategy')!r} but this "
             f"run uses {strategy!r}; set strategy.name back, or start a new run under another name"

@@ -37,6 +37,7 @@ class Engine(Protocol):
     precision: Precision
     inference_mode_ok: bool  # False: evaluate under no_grad instead of inference_mode
     skip_nonfinite: bool  # train.on_nan: skip -- step() leaves the weights alone on inf/NaN grads
+    layout: str  # how the ranks are arranged, for the run's first lines ("" where nothing to say)
 
     @property
     def skipped_steps(self) -> int:
@@ -251,6 +252,7 @@ class TorchEngine:
         inference_mode_ok: bool = True,
         state_io: StateIO | None = None,
         clip: Callable[[float], torch.Tensor] | None = None,
+        layout: str = "",
     ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
@@ -267,6 +269,7 @@ class TorchEngine:
         )
         self.skip_nonfinite = False
         self.skipped_steps = 0
+        self.layout = layout  # the run's line on how its ranks are arranged (FSDP's mesh)
 
     @property
     def eval_model(self) -> nn.Module:

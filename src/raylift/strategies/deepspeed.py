@@ -316,6 +316,7 @@ class DeepSpeedEngine:
         # DeepSpeed's fp16 loss scaler skips non-finite steps itself (the config allows
         # train.on_nan: skip with deepspeed only there); skipped_steps reads its count.
         self.skip_nonfinite = False
+        self.layout = ""
 
     @property
     def skipped_steps(self) -> int:
@@ -555,11 +556,13 @@ def _zero_row(
         fp32_master=True,
         offload=offload,
         block_buffers=buffers,
+        gathers=stage == 3,
     )
 
 
 SPEC = StrategySpec(
     name=NAME,
+    state_format=NAME,
     options=("zero_stage", "offload", "offload_optimizer", "offload_param", "config"),
     problems=problems,
     build=build_deepspeed,

@@ -133,6 +133,7 @@ def build_fairscale(
 
 SPEC = StrategySpec(
     name="fairscale",
+    state_format="fairscale",
     options=(),
     problems=problems,
     build=build_fairscale,

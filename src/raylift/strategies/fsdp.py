@@ -22,6 +22,8 @@ from torch import nn
 
 from raylift.core.config import Config
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
+from raylift.strategies.mesh import Mesh, node_of_ranks, resolve
+from raylift.strategies.mesh import problems as mesh_problems
 from raylift.strategies.registry import PlanRow, Shards, StrategySpec
 from raylift.tensors.adapters import keep_trainable_fp32
 from raylift.tensors.init import Initializer, materialize, params_on_meta, write_dtensor
@@ -31,16 +33,18 @@ from raylift.tensors.precision import Precision
 # torch.distributed.fsdp takes a second or more to import: it is imported where this
 # strategy is built, not wherever the registry is read (every config load).
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def problems(cfg: Config) -> list[str]:
+    out = mesh_problems(cfg)
     if cfg.strategy.cpu_offload and not cfg.scaling.use_gpu:
-        return [
+        out.append(
             "strategy.cpu_offload: offloading to the CPU needs GPU workers "
             "(scaling.use_gpu: true); on CPU workers the parameters already are there"
-        ]
-    return []
+        )
+    return out
 
 
 def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
@@ -74,8 +78,6 @@ def build_fsdp(
     blocks: list[nn.Module],
     init: Initializer,
 ) -> TorchEngine:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -87,7 +89,8 @@ def build_fsdp(
     s = cfg.strategy
     # Created on the meta device (``create`` below): the dtype is set before storage exists.
     model = keep_trainable_fp32(model.to(dtype=precision.param_dtype))
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    layout = resolve(s, node_of_ranks())
+    mesh = fsdp_mesh(layout, device.type)
     if s.activation_checkpointing:
         apply_activation_checkpointing(blocks)
     offload: OffloadPolicy = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
@@ -123,12 +126,33 @@ def build_fsdp(
         pause_sync=lambda: _no_grad_sync(model),
         scaler=scaler,
         inference_mode_ok=False,
+        layout=layout.line(),
     )
 
 
+def fsdp_mesh(layout: Mesh, device_type: str) -> DeviceMesh:
+    """The mesh ``fully_shard`` is given: 2-D (replicate, shard) is HSDP, 1-D full sharding."""
+    mesh = layout.device_mesh(device_type)
+    return mesh["replicate", "shard"] if layout.hsdp else mesh["shard"]
+
+
+# The mesh left auto shards within each node where the run spans several (HSDP); the
+# full sharding over every worker is the second row.
+_ALL = Shards(True, True, True)
+HSDP_ROW = PlanRow("fsdp", {"name": "fsdp"}, _ALL, 4, block_buffers=3, gathers=True, per_node=True)
+FULL_ROW = PlanRow(
+    "fsdp-full",
+    {"name": "fsdp", "dp_replicate": 1},
+    _ALL,
+    4,
+    block_buffers=3,
+    gathers=True,
+    spanning=True,
+)
+
 SPEC = StrategySpec(
     name="fsdp",
-    options=("reshard_after_forward", "cpu_offload"),
+    options=("reshard_after_forward", "cpu_offload", "dp_replicate", "dp_shard", "tp"),
     problems=problems,
     build=build_fsdp,
     read_export=read_dcp_model,
@@ -136,7 +160,5 @@ SPEC = StrategySpec(
     build_path="built on the meta device, sharded, then initialised module by module",
     # Unsharded: the block running and the next one (prefetched), and one block's
     # gradients before their reduce-scatter.
-    plan_rows=(
-        PlanRow("fsdp", {"name": "fsdp"}, Shards(True, True, True), comm_rank=4, block_buffers=3),
-    ),
+    plan_rows=(HSDP_ROW, FULL_ROW),
 )

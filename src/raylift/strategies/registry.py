@@ -60,6 +60,14 @@ class PlanRow:
     # Block-sized buffers beside the states: gathered blocks (the one running and the
     # one prefetched) and a bucket of one block's gradients for the reduce-scatter.
     block_buffers: int = 0
+    # Traffic (raylift plan's bytes per step): parameters gathered for each forward and
+    # backward and gradients reduce-scattered (FSDP, ZeRO-3), else the gradients' all-reduce.
+    gathers: bool = False
+    # Sharded over each node's workers and replicated across nodes where the run spans
+    # several (HSDP); over every worker on one.
+    per_node: bool = False
+    # Shown only where the run spans nodes (on one node it is another row's twin).
+    spanning: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +88,9 @@ class StrategySpec:
     # whose graph dynamo splits at the gradient buckets so all-reduces still overlap
     # backward (and at world size 1 it is the plain model, compiled as by hand).
     compile_whole: bool = False
+    # How its checkpoints hold the model + optimizer state: a run resumes from any
+    # strategy's checkpoint of the same format. DCP (DDP, FSDP, HSDP) reshards to any mesh.
+    state_format: str = "dcp"
 
     @property
     def reads(self) -> tuple[str, ...]:

@@ -1,0 +1,128 @@
+"""HSDP (FSDP on a 2-D mesh: shard within a node, replicate across nodes) against DDP on
+four gloo ranks, fp32, 30 steps: gpt and the zoo's Llama, Qwen3 and Mixtral (full) and
+Llama with LoRA. Then a checkpoint saved under one mesh resumed under others.
+
+The ranks here share one host, so the mesh is asked for by its numbers
+(``dp_replicate: 2``); ``auto`` builds the same mesh from two nodes' placement (the unit
+tests of raylift.strategies.mesh, and the two-node Ray run of test_mesh_runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raylift.artifacts.export import consolidated_state_dict
+from raylift.core.parsing import merge
+from tests.helpers import (
+    GPT_SMALL,
+    make_config,
+    resume_and_record,
+    run_ranks,
+    train_keep_checkpoints,
+    train_runs,
+)
+
+pytestmark = pytest.mark.slow
+
+WORLD = 4
+HSDP = {"name": "fsdp", "dp_replicate": 2}  # 2 copies x 2 shards
+FULL = {"name": "fsdp"}  # 1 x 4 on one host
+TOLERANCE = 1e-5
+THIRTY = {"max_steps": 30, "max_epochs": 100}
+
+
+def gpt(strategy: dict[str, Any], **more: Any) -> dict[str, Any]:
+    cfg = merge(GPT_SMALL, {"strategy": strategy, "precision": "32", **more})
+    return make_config(**cfg).to_dict()
+
+
+def worst(curve: dict[int, float], ref: dict[int, float]) -> float:
+    assert sorted(curve) == sorted(ref) == list(range(1, 31))
+    return max(abs(curve[s] - v) / abs(v) for s, v in ref.items())
+
+
+def test_hsdp_follows_ddp_on_gpt(tmp_path: Path) -> None:
+    runs = {
+        "ddp": gpt({"name": "ddp"}),
+        "hsdp": gpt(HSDP),
+        "hsdp-ac": gpt({**HSDP, "activation_checkpointing": True}),
+        "fsdp": gpt(FULL),
+    }
+    run_ranks(WORLD, tmp_path, train_runs, runs, str(tmp_path / "out.pt"))
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    ref = got["ddp"]["loss"]
+    assert ref[30] < 0.8 * ref[1]  # it learned
+    table = {name: worst(got[name]["loss"], ref) for name in runs if name != "ddp"}
+    print(table)
+    assert all(v <= TOLERANCE for v in table.values()), table
+    # Sharded over 2, not 4: each rank holds half the optimizer state, not a quarter.
+    full, hsdp = got["fsdp"]["bytes"]["optimizer"], got["hsdp"]["bytes"]["optimizer"]
+    assert hsdp == pytest.approx(2 * full, rel=0.05), (hsdp, full)
+
+
+def test_hsdp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("transformers")
+    from tests.zoo import save_zoo, zoo_config, zoo_train
+
+    """Then each HSDP run exported (``--format hf``, and ``peft`` for LoRA) and loaded back
+    by transformers, with the trained model's logits."""
+    from tests.unit.test_zoo import export_and_reload
+
+    zoo = save_zoo(tmp_path_factory.mktemp("zoo"), ["llama-tied", "qwen3", "mixtral"])
+    curves, roots, configs = {}, {}, {}
+    for strategy in ({"name": "ddp"}, HSDP):
+        root = roots[strategy["name"]] = tmp_path_factory.mktemp(strategy["name"])
+        runs = configs[strategy["name"]] = {
+            f"{arch}{'-lora' if lora else ''}": merge(
+                zoo_config(folder, strategy, lora),
+                {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
+            )
+            for arch, folder in zoo.items()
+            for lora in ((False, True) if arch == "llama-tied" else (False,))
+        }
+        run_ranks(WORLD, root, zoo_train, runs, str(root))
+        curves[strategy["name"]] = torch.load(root / "train.pt", weights_only=True)
+    table = {
+        run: worst(curves["fsdp"][run]["loss"], curves["ddp"][run]["loss"]) for run in curves["ddp"]
+    }
+    print(table)
+    assert set(table) == {"llama-tied", "llama-tied-lora", "qwen3", "mixtral"}
+    assert all(v <= TOLERANCE for v in table.values()), table
+    for run, cfg in configs["fsdp"].items():
+        export_and_reload(run, cfg, roots["fsdp"], curves["fsdp"][run]["logits"])
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, world",
+    [
+        (HSDP, FULL, 2),  # 2 x 2 -> 1 x 2: a node lost
+        (HSDP, {"name": "ddp"}, 2),
+        (FULL, HSDP, WORLD),  # full sharding -> HSDP
+    ],
+    ids=["hsdp-to-fsdp", "hsdp-to-ddp", "fsdp-to-hsdp"],
+)
+def test_a_checkpoint_resumes_under_another_mesh(
+    tmp_path: Path, saved: dict, resumed: dict, world: int
+) -> None:
+    """Resumed at step 15 under another mesh (on fewer ranks, as after a lost node,
+    accumulating what the others did): the uninterrupted curve goes on, within 1e-6, from
+    exactly the saved weights."""
+    cfg = gpt(saved, checkpoint={"every_n_steps": 5})
+    run_ranks(WORLD, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "full"))
+    full = torch.load(tmp_path / "full" / "loss.pt", weights_only=True)
+    ckpt = tmp_path / "full" / "checkpoint-step00000015"
+    exported = consolidated_state_dict(ckpt)
+    # The same rows a step: each of fewer ranks accumulates what the others did.
+    accum = {**GPT_SMALL["train"], "grad_accum": WORLD // world}
+    again = gpt(resumed, checkpoint={"every_n_steps": 5}, train=accum)
+    run_ranks(world, tmp_path, resume_and_record, again, str(ckpt), str(tmp_path / "r.pt"))
+    got = torch.load(tmp_path / "r.pt", weights_only=True)
+    assert sorted(got["loss"]) == list(range(16, 31))
+    for step, loss in got["loss"].items():
+        assert loss == pytest.approx(full[step], rel=1e-6), step
+    assert got["params"].keys() == exported.keys()
+    for key, value in exported.items():
+        torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)

@@ -125,6 +125,13 @@ def _suite(r: Result) -> bool:
     )
 
 
+def _parallelism(r: Result) -> bool:
+    """The plan within 10% of every measured byte count of DDP, FSDP and HSDP."""
+    pairs = [(row[i], row[i + 1]) for row in r["rows"] if row[0] in ("ddp", "fsdp", "fsdp-full")
+             for i in (1, 3)]  # fmt: skip
+    return bool(pairs) and all(abs(m - p) <= 0.1 * max(p, 1.0) for m, p in pairs)
+
+
 GOALS: dict[str, Goal] = {
     "overhead.py": Goal("step time <= 1.03x the hand-written loop", _overhead),
     "launch.py": Goal(
@@ -146,6 +153,9 @@ GOALS: dict[str, Goal] = {
         _checkpoint_io,
     ),
     "log_model.py": Goal("a small share of the training"),
+    "parallelism.py": Goal(
+        "raylift plan within 10% of the measured bytes within and across nodes", _parallelism
+    ),
     "suite.py": Goal("passes within 30 min on a fresh clone, caches empty", _suite),
     "suite.py:quick": Goal(
         "passes", lambda r: cell(r["rows"], r["columns"], "exit", "value") == "0"

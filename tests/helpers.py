@@ -121,6 +121,10 @@ class ListTracker:
     def series(self, key: str) -> dict[int, float]:
         return {step: m[key] for step, m in self.rows if key in m}
 
+    def wire(self) -> dict[int, dict[str, float]]:
+        """The bytes measured on the wire (raylift.run.wire), by the step they were of."""
+        return {step: m for step, m in self.rows if any(k.startswith("wire/") for k in m)}
+
 
 BASE = {
     "task": "digits",
@@ -380,6 +384,7 @@ def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
             "bytes": trainer.engine.model_state_bytes(),
             "logits": logits,
             "memory": trainer.memory,  # the model-state metrics rank 0 logged
+            "wire": tracker.wire(),
         }
         settle(trainer.engine)
     if rank == 0:

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(plan)
     plan.add_argument("--gpus", type=int, required=True, help="world size (workers)")
     plan.add_argument("--gpu-mem", type=float, required=True, help="memory per worker, GiB")
+    plan.add_argument("--nodes", type=int, default=1, help="nodes the workers span (default 1)")
     doc = verbs.add_parser("doctor", help="a short profiled run: the bottleneck and what to change")
     _config_args(doc)
     doc.add_argument(
@@ -279,7 +280,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus < 1 or args.gpu_mem <= 0:
         print("raylift: --gpus must be >= 1 and --gpu-mem > 0 (GiB)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(render(make_plan(cfg, args.gpus, args.gpu_mem), args.gpus, args.gpu_mem))
+    if args.nodes < 1 or args.gpus % args.nodes:
+        print(f"raylift: --nodes {args.nodes} must divide --gpus {args.gpus}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes)
+    print(render(plan, args.gpus, args.gpu_mem))
     return EXIT_OK
 
 

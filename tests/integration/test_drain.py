@@ -1,14 +1,16 @@
 """A node lost under an elastic run, on a Ray of two nodes on this host (``ray start
---head`` and a second ``ray start --address``, one CPU each, one worker each), two ways:
+--head`` and a second ``ray start --address``), two ways:
 
 - drained for preemption, as a cloud's reclaim notice reaches Ray (``ray drain-node
-  --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``). The run saves at
-  the notice (to storage and to memory), trains on, saves once more before the deadline
-  and waits there; Ray Train tears the group down at the deadline, and the restart is
-  sized without the leaving node at its first try, and restores from memory. No step is
-  redone.
-- its raylet SIGKILLed, with no notice. Ray calls the node dead only after its health
-  checks have failed for a while; the restart is sized without it all the same (its
+  --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds``), under HSDP: two
+  CPUs and two workers a node, FSDP sharded within each node and replicated across the
+  two. The run saves at the notice (to storage and to memory), trains on, saves once
+  more before the deadline and waits there; Ray Train tears the group down at the
+  deadline, and the restart is sized without the leaving node at its first try, and
+  restores from memory, its mesh one replica: the node that stays. No step is redone.
+- its raylet SIGKILLed, with no notice, under DDP (one CPU and one worker a node). Ray
+  calls the node dead only after its health checks have failed for a while; the restart
+  is sized without it all the same (its
   raylet takes no connection), at its first try, from the newest memory snapshot: the
   lost node's part from the copy its peer (the head) holds.
 
@@ -41,17 +43,25 @@ DEADLINE_S = 30  # the notice's lead, as a cloud gives it: long enough to train 
 RAY = str(Path(sys.executable).parent / "ray")
 STEP = re.compile(r"^epoch\s+\d+\s+step\s+(\d+)")
 SNAPSHOT_EVERY = 2  # steps between memory snapshots in the raylet's case
+# Two workers a node of two CPUs (room beside them for Ray Data's reads), FSDP's mesh
+# auto; the global batch kept at 2, 3 or 4 workers: 3 x 4 micro-batches a step.
+HSDP = ["strategy.name=fsdp", "scaling.num_workers=[2,4]", "scaling.cpus_per_worker=0.8",
+        "train.grad_accum=3", "data.batch_size=8"]  # fmt: skip
+MESHES = ["raylift: mesh: replicate 2 (nodes) x shard 2 (workers per node) x tp 1",
+          "raylift: mesh: replicate 1 x shard 2 (within a node) x tp 1"]  # fmt: skip
 
 
 @contextlib.contextmanager
-def two_nodes(root: Path, shell: dict[str, str]) -> Iterator[tuple[dict[str, str], str, str]]:
-    """A local Ray of a head and one more node, one CPU each: the environment to reach it,
-    the second node's id and the Ray's temp dir. Stopped by pid."""
+def two_nodes(
+    root: Path, shell: dict[str, str], cpus: int = 1
+) -> Iterator[tuple[dict[str, str], str, str]]:
+    """A local Ray of a head and one more node, ``cpus`` CPUs each: the environment to reach
+    it, the second node's id and the Ray's temp dir. Stopped by pid."""
     temp_dir = tempfile.mkdtemp(prefix="rl-dr-", dir="/tmp")  # short: unix socket paths
     gcs = free_port()
     env = {k: v for k, v in shell.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    common = ["--node-ip-address=127.0.0.1", "--num-cpus=1", "--disable-usage-stats",
+    common = ["--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats",
               f"--dashboard-agent-listen-port={free_port()}"]  # fmt: skip
     try:
         for args in (
@@ -86,10 +96,16 @@ def kill_raylet(temp_dir: str, node: str) -> None:
 
 
 def elastic_run(
-    root: Path, env: dict[str, str], name: str, fault: Callable[[], None], *extra: str
+    root: Path,
+    env: dict[str, str],
+    name: str,
+    fault: Callable[[], None],
+    *extra: str,
+    shrunk: str = "-> 1 workers",
 ) -> tuple[str, dict[str, float]]:
     """The elastic run, with ``fault`` done once it trains on both nodes; its console, and
-    when the fault came and each step's line (``step N``)."""
+    when the fault came and each step's line (``step N``). ``shrunk``: the console's words
+    for the restart without the node, after which the run goes at full speed."""
     hold = root / "hold"
     hold.touch()
     run = subprocess.Popen(
@@ -109,7 +125,7 @@ def elastic_run(
             if at and int(at.group(1)) >= 3 and "fault" not in when:
                 fault()
                 when["fault"] = time.time()
-            if "-> 1 workers" in line:
+            if shrunk in line:
                 hold.unlink(missing_ok=True)  # the rest at full speed
             if at:
                 when.setdefault(f"step {at.group(1)}", time.time())
@@ -127,10 +143,10 @@ def elastic_run(
 def drained(user_shell: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Storage checkpoints far apart: what the run keeps is the notice's and the deadline's."""
     root = tmp_path_factory.mktemp("drain")
-    with two_nodes(root, user_shell) as (env, node, _):
+    with two_nodes(root, user_shell, cpus=2) as (env, node, _):
         out, when = elastic_run(
             root, env, "drained", lambda: drain(env, node), "checkpoint.every_n_steps=1000",
-            "checkpoint.memory.every_n_steps=20",
+            "checkpoint.memory.every_n_steps=20", *HSDP, shrunk="-> 2 workers",
         )  # fmt: skip
     return {"out": out, "when": when}
 
@@ -160,7 +176,7 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
     )
     assert notice and last, out
     resumed = re.search(
-        r"raylift: resumed from the run's memory snapshot at step (\d+) .*2 -> 1 work", out
+        r"raylift: resumed from the run's memory snapshot at step (\d+) .*4 -> 2 work", out
     )
     assert resumed and int(resumed.group(1)) == int(last.group(1)), out
     # The deadline's save went to storage and to memory: the same step, from memory.
@@ -178,8 +194,11 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
     # for a worker on the leaving node, and tried no second size.
     assert "could not all be placed" not in out, out
     assert "restart 1 cost" in out and "after redoing 0 step(s)" in out, out
+    # HSDP over both nodes, then one replica: the node that stayed.
+    assert [x for x in lines if x.startswith("raylift: mesh:")] == MESHES, out
     sent, gone, back = when["fault"], when[f"step {max(before)}"], when[f"step {min(after)}"]
-    marks = ("preemption notice", "leaving node goes", "reclaimed", "from memory", "restart 1")
+    marks = ("preemption notice", "leaving node goes", "reclaimed", "from memory", "restart 1",
+             "mesh:")  # fmt: skip
     print("", *[x for x in lines if any(m in x for m in marks)], sep="\n")
     print(
         f"the drain's timeline, from the drain: the last step before the restart at "

@@ -36,6 +36,10 @@ an upgrade that changes one says what to mend:
 - ``tensors.hf_layout`` and ``tasks.hf``: transformers' loading rules, public names in
   modules it does not document (``core_model_loading``, ``conversion_mapping``,
   ``initialization.no_init_weights``, ``models.auto.modeling_auto``);
+- ``run.wire``: torch's Flight Recorder as JSON (``torch._C._distributed_c10d.
+  _dump_fr_trace_json``; its documented dump is a pickle, which raylift never loads) and
+  the group a recorded name stands for (``distributed_c10d._resolve_process_group``):
+  the only record of which group a collective ran on;
 - ``artifacts.tracking.process_uri`` (``mlmodel.download``, ``tracking_service``):
   MLflow's process-wide URIs, which MLflow 3.17 resolves ``models:/`` and ``runs:/``
   through even where it takes ``tracking_uri``/``registry_uri`` arguments.
@@ -249,6 +253,35 @@ def test_a_dtensors_shard_is_where_torchs_own_helper_says(tmp_path: Path) -> Non
     run_ranks(2, tmp_path, slices_as_distribute_tensor)
 
 
+def recorded_collectives(rank: int, world: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = dist.new_group([0, 1])
+    dist.all_gather_into_tensor(torch.empty(6), torch.ones(3), group=group)
+    entry = json.loads(c10d._dump_fr_trace_json(includeCollectives=True, onlyActive=False))
+    last = entry["entries"][-1]
+    if rank == 0:
+        name = last["process_group"][0]
+        ranks = dist.get_process_group_ranks(_resolve_process_group(name))
+        torch.save({"last": last, "ranks": ranks, "name": group.group_name}, out)
+
+
+def test_the_flight_recorder_names_each_collective_and_its_group(tmp_path: Path) -> None:
+    """run.wire reads, of each entry, the operation, the group's name (resolved to its
+    ranks), the tensors' sizes and dtypes and when it was issued."""
+    run_ranks(2, tmp_path, recorded_collectives, str(tmp_path / "fr.pt"))
+    got = torch.load(tmp_path / "fr.pt", weights_only=True)
+    last, user = got["last"], "run.wire"
+    assert last["profiling_name"] == "gloo:all_gather", f"mend {user}.KINDS: {last}"
+    assert last["process_group"][0] == got["name"] and got["ranks"] == [0, 1], f"mend {user}"
+    assert last["input_sizes"] == [[3]] and last["output_sizes"] == [[2, 3]], f"mend {user}"
+    assert last["input_dtypes"] == ["Float"] and isinstance(last["time_created_ns"], int)
+
+
 def test_torch_internals_raylift_reads() -> None:
     # run.plan: one storage, one _cdata, for every view of it, also on the meta device.
     t = torch.empty(4, 4, device="meta")
@@ -396,6 +429,7 @@ KNOWN: dict[str, set[str]] = {
     },
     "run/loop.py": {"_torchdynamo_orig_callable"},
     "run/plan.py": {"_cdata"},
+    "run/wire.py": {"_C", "_distributed_c10d", "_dump_fr_trace_json"},
     "strategies/base.py": {"_fields"},  # a namedtuple's, public
     "strategies/deepspeed.py": {
         "__compatible_ops__",

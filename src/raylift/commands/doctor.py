@@ -35,6 +35,7 @@ from raylift.core.startup import PREFIX as PREFIX_STARTUP
 from raylift.core.startup import Startup, from_metrics, table
 from raylift.run import launch
 from raylift.run.probe import PREFIX, ProbeSettings
+from raylift.run.wire import wire_line
 from raylift.strategies import plan_row_for, plan_rows
 from raylift.tasks import build_task
 from raylift.tensors.metrics import PHASES
@@ -378,6 +379,7 @@ class DoctorResult:
     chart: Path  # a local copy
     run_id: str
     startup: dict[str, float] = dataclasses.field(default_factory=dict)  # startup/* metrics
+    wire: dict[str, float] = dataclasses.field(default_factory=dict)  # wire/* metrics
 
     def render(self) -> str:
         d = self.diagnosis
@@ -385,6 +387,8 @@ class DoctorResult:
         lines += [f"  {e}" for e in d.evidence]
         lines.append("what to change, by expected gain:")
         lines += [f"  {i}. {s.line()}" for i, s in enumerate(d.suggestions, 1)]
+        if self.wire:
+            lines.append(f"bytes on the wire: {wire_line(self.wire).removeprefix('wire: ')}")
         seconds = from_metrics(self.startup)
         if seconds:
             lines.append("start-up, from the command to the first step:")
@@ -443,8 +447,9 @@ def run_doctor(
     client.set_tag(result.run_id, "raylift.doctor.verdict", diagnosis.verdict)
     logged = client.get_run(result.run_id).data.metrics
     startup_metrics = {k: v for k, v in logged.items() if k.startswith(PREFIX_STARTUP)}
+    wire = {k: v for k, v in logged.items() if k.startswith("wire/")}
     return DoctorResult(
-        run.name, diagnosis, result.metrics, folder, chart, result.run_id, startup_metrics
+        run.name, diagnosis, result.metrics, folder, chart, result.run_id, startup_metrics, wire
     )
 
 

@@ -27,7 +27,9 @@ from raylift.run.checkpointing import Checkpointer, Leaving, LoopState
 from raylift.run.context import NullTracker, Reporter, StepView, Tracker, WorkerContext
 from raylift.run.progress import Interval, IntervalMeter, Rates, console_line
 from raylift.run.saving import Saver
+from raylift.run.wire import WireMeter, wire_line
 from raylift.strategies import Engine, spec_for
+from raylift.strategies.mesh import node_of_ranks
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 from raylift.tensors.adapters import (
     PEFT_WEIGHTS,
@@ -175,6 +177,7 @@ class Trainer:
         self.precision.configure_matmul(ctx.device)  # before MFU's peak, which depends on it
         self.accum = accum
         self.clock = PhaseClock(ctx.device, ctx.now)
+        self.wire = WireMeter(node_of_ranks())
         self.engine, fps = self._build_engine()
         self.base = base_of(cfg, weights_path(cfg, task))
         self.adapter = meaning(cfg.model.adapter)
@@ -235,6 +238,8 @@ class Trainer:
 
         engine = spec.build(model, cfg, self.precision, device, blocks, init)
         self.ctx.log(reports[0].describe(spec.build_path if sharded else "built whole"))
+        if engine.layout:
+            self.ctx.log(f"raylift: {engine.layout}")
         if whole:
             compiled = torch.compile(engine.model, mode=cfg.train.compile_mode)
             engine.model = cast(torch.nn.Module, compiled)  # an OptimizedModule
@@ -435,6 +440,7 @@ class Trainer:
         step, train_cfg = self.state.step, self.cfg.train
         if self.ctx.restarts is not None:
             self._after_restart_step(step)
+        self._log_wire(self.wire.end())
         if not self.meter.memory:
             self._log_startup()
             self._log_compile()
@@ -451,6 +457,12 @@ class Trainer:
         to_memory = self.ctx.keepers is not None and memory and step % memory.every_n_steps == 0
         if to_storage or to_memory:
             self.checkpoint(self.last_metrics, to_storage)
+        self.wire.begin()  # the next step's collectives are measured: this start's second
+
+    def _log_wire(self, wire: dict[str, float]) -> None:
+        if wire:
+            self.ctx.tracker.log_metrics(wire, self.state.step)
+            self.ctx.log(f"raylift: {wire_line(wire)}")
 
     def _after_restart_step(self, step: int) -> None:
         """Rank 0's progress to the tracking actor; a restart's phases once it is back."""

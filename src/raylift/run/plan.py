@@ -10,6 +10,7 @@ autograd saves, with and without activation checkpointing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -40,6 +41,8 @@ class Row:
     activations_ckpt: int  # the same with activation checkpointing
     refused: list[str]  # what the config alone shows wrong with this strategy; empty: usable
     buffers: int = 0  # gathered blocks and gradient buckets of sharding strategies
+    within: float = 0.0  # bytes a rank sends a step to ranks of its own node
+    across: float = 0.0  # ... on groups that span nodes
 
     @property
     def states(self) -> int:
@@ -60,6 +63,7 @@ class Plan:
     micro_batch: int
     grad_accum: int
     frozen: tuple[int, int] = (0, 0)  # (trainable, frozen) parameters where some are frozen
+    nodes: int = 1
 
 
 def planned_precision(cfg: Config) -> Precision:
@@ -78,12 +82,18 @@ def optimizer_slots(cfg: Config) -> int:
 
 
 def model_states(
-    label: str, n_params: int, cfg: Config, world: int, trainable: int | None = None
+    label: str,
+    n_params: int,
+    cfg: Config,
+    world: int,
+    trainable: int | None = None,
+    nodes: int = 1,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds on the device. ``trainable``: the
     parameters that train (adapters on a frozen base); the rest hold no gradient and no
-    optimizer state."""
+    optimizer state. ``nodes``: what the ``world`` ranks span (HSDP shards within one)."""
     row = plan_row(label)
+    world = world // nodes if row.per_node else world
     trainable = n_params if trainable is None else trainable
     frozen = n_params - trainable
     width = planned_precision(cfg).param_dtype.itemsize
@@ -170,39 +180,50 @@ def refusals(cfg: Config, row: PlanRow) -> list[str]:
     return config_problems(dataclasses.replace(cfg, strategy=StrategyConfig(**row.strategy)))
 
 
-def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float) -> Plan:
+def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Plan:
+    """Each strategy's memory per worker and bytes on the wire per step, at ``gpus``
+    workers over ``nodes`` nodes, and the first that fits: least communication first,
+    and where the run spans nodes, least across nodes first."""
+    if nodes < 1 or gpus % nodes:
+        raise ValueError(f"--nodes: {nodes} does not divide --gpus {gpus}; give a divisor")
     trainable, frozen = count_trainable(cfg)
     n_params, batch = trainable + frozen, cfg.data.batch_size
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
     block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
+    split = param_split(cfg)
     rows = [
         Row(
             row.label,
             dict(row.strategy),
-            *model_states(row.label, n_params, cfg, gpus, trainable),
+            *model_states(row.label, n_params, cfg, gpus, trainable, nodes),
             per_sample * batch,
             per_sample_ckpt * batch,
             refusals(cfg, row),
             row.block_buffers * block,
+            *predicted_wire(cfg, row.label, gpus, nodes, split),
         )
         for row in plan_rows()
+        if nodes > 1 or not row.spanning
     ]
+    if nodes > 1:
+        rows.sort(key=lambda r: (r.across, r.within))  # stable: ties keep the order above
     budget = int(gpu_mem_gib * GIB * USABLE)
     counts = (trainable, frozen) if frozen else (0, 0)
     usable = [r for r in rows if not r.refused]
+    done = functools.partial(Plan, rows, budget, frozen=counts, nodes=nodes)
     for row in usable:
         for ckpt, act in ((False, per_sample), (True, per_sample_ckpt)):
             if row.fixed + act * batch <= budget:
-                return Plan(rows, budget, row, ckpt, batch, cfg.train.grad_accum, counts)
+                return done(row, ckpt, batch, cfg.train.grad_accum)
     # Nothing fits at the configured micro-batch: the largest that fits, same global batch.
     for row in usable:
         room = budget - row.fixed
         if room >= per_sample_ckpt > 0:
             micro = min(batch, room // per_sample_ckpt)
             accum = cfg.train.grad_accum * -(-batch // micro)
-            return Plan(rows, budget, row, True, int(micro), accum, counts)
-    return Plan(rows, budget, None, True, 0, 0, counts)
+            return done(row, True, int(micro), accum)
+    return done(None, True, 0, 0)
 
 
 def plan_strategy(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
@@ -244,6 +265,7 @@ def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
             f"{mib(total)}  {fits}"
         )
     lines += [f"{r.label} refused: {problem}" for r in plan.rows for problem in r.refused]
+    lines += wire_lines(plan, gpus)
     trainable, frozen = plan.frozen
     if frozen:
         lines.append(
@@ -259,3 +281,95 @@ def render(plan: Plan, gpus: int, gpu_mem_gib: float) -> str:
             f"{plan.micro_batch}, grad_accum {plan.grad_accum}"
         )
     return "\n".join(lines)
+
+
+def wire_lines(plan: Plan, gpus: int) -> list[str]:
+    """Each row's bytes a worker sends a step, within its node and across nodes."""
+    where = f"{plan.nodes} nodes of {gpus // plan.nodes}" if plan.nodes > 1 else "one node"
+    lines = [
+        f"bytes each worker sends a step on {where}, in MiB (predicted; ring collectives)",
+        f"{'strategy':<15}{'within':>10}{'across':>10}",
+    ]
+    for r in plan.rows:
+        lines.append(f"{r.label:<15}{r.within / 2**20:10.1f}{r.across / 2**20:10.1f}")
+    if plan.nodes > 1:
+        lines.append(
+            f"fsdp: sharded within each node and replicated across the {plan.nodes} (HSDP); "
+            f"fsdp-full: sharded over all {gpus} workers"
+        )
+    return lines
+
+
+# ---------------------------------------------------------------- bytes on the wire
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSplit:
+    """Parameters in the model's repeated blocks and at its root, all and trainable."""
+
+    blocks: int
+    blocks_trainable: int
+    root: int
+    root_trainable: int
+
+    @property
+    def trainable(self) -> int:
+        return self.blocks_trainable + self.root_trainable
+
+
+def param_split(cfg: Config) -> ParamSplit:
+    """Where the parameters are: FSDP gathers a block's in the blocks' precision and
+    again for backward, the root's (embeddings, head) once in their own."""
+    task = build_task(cfg.task, cfg.task_args)
+    with torch.device("meta"):
+        model = task.build_model()
+        if cfg.model.adapter.type:
+            model = attach(model, cfg.model.adapter)
+    seen: set[int] = set()
+    counts = [0, 0, 0, 0]
+    groups = [b.parameters() for b in blocks_of(task, model)] + [model.parameters()]
+    for i, params in enumerate(groups):
+        at = 0 if i < len(groups) - 1 else 2
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                counts[at] += p.numel()
+                counts[at + 1] += p.numel() if p.requires_grad else 0
+    return ParamSplit(*counts)
+
+
+def _ring(group: int, factor: float = 1.0) -> float:
+    """A rank's share of a ring collective's bytes: (g-1)/g, twice for an all-reduce."""
+    return factor * (group - 1) / group if group > 1 else 0.0
+
+
+def predicted_wire(
+    cfg: Config, label: str, gpus: int, nodes: int = 1, split: ParamSplit | None = None
+) -> tuple[float, float]:
+    """Bytes one rank sends a step (within its node, across nodes) as ``label``, on
+    ``gpus`` ranks over ``nodes`` nodes: what raylift.run.wire measures, from the model.
+
+    A group spanning nodes counts as across. On gloo (CPU workers) a reduce-scatter
+    runs as an all-reduce of the whole input; on NCCL as itself."""
+    row, split = plan_row(label), split or param_split(cfg)
+    precision = planned_precision(cfg)
+    width = precision.param_dtype.itemsize
+    accum = cfg.train.grad_accum
+    scatter = 1.0 if cfg.scaling.use_gpu else 2.0
+    if not row.gathers:  # every rank's gradients all-reduced over the world
+        grads = split.trainable * width * _ring(gpus, 2.0)
+        return (grads, 0.0) if nodes == 1 else (0.0, grads)
+    shard = gpus // nodes if row.per_node else gpus
+    replicas = gpus // shard
+    # Blocks gathered in the compute dtype under mixed precision, for forward and, where
+    # resharded after it, again for backward; the root once, in its own dtype.
+    mixed = (precision.autocast_dtype or precision.param_dtype).itemsize
+    passes = 2 if cfg.strategy.reshard_after_forward else 1
+    gathered = split.blocks * mixed * passes + split.root * width
+    reduced = split.trainable * (4 if precision.autocast_dtype else width)
+    in_shard = accum * gathered * _ring(shard) + reduced * _ring(shard, scatter)
+    in_replicas = reduced / shard * _ring(replicas, 2.0)
+    if nodes == 1:
+        return in_shard + in_replicas, 0.0
+    # Over several nodes a shard group is a node's workers (HSDP) or the whole world.
+    return (in_shard, in_replicas) if row.per_node else (0.0, in_shard + in_replicas)

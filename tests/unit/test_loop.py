@@ -194,14 +194,14 @@ def test_checkpoint_of_another_strategy_is_refused(tmp_path: Path, pg: None) -> 
     _, reporter = run_steps(tmp_path, train={"max_steps": 5, "max_epochs": 1})
     ckpt = reporter.checkpoints[-1]
     state = torch.load(ckpt / LOOP_FILE, weights_only=True)
-    state["strategy"] = "fsdp"
+    state["strategy"] = "deepspeed"  # another format: ddp reads fsdp's DCP
     torch.save(state, ckpt / LOOP_FILE)
     # Recorded as its writer records it: the checksums match, the strategy does not.
     done = ckpt / "complete-rank0.json"
     listed = {**json.loads(done.read_text()), LOOP_FILE: _listed(ckpt / LOOP_FILE, None)}
     done.write_text(json.dumps(listed))
     trainer = make_trainer(make_config(), 0, 1, LocalReporter(tmp_path / "x"))
-    with pytest.raises(CheckpointError, match="strategy 'fsdp'"):
+    with pytest.raises(CheckpointError, match="strategy 'deepspeed'"):
         trainer.restore(ckpt)
     # A byte changed since it was recorded is caught by its checksum as it is read.
     data = bytearray((ckpt / LOOP_FILE).read_bytes())

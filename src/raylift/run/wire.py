@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from raylift.core.storage import size_text
+
 # The recorder's dtype names, in bytes.
 WIDTHS = {
     "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2,
@@ -143,9 +145,7 @@ class WireMeter:
 
 
 def wire_line(metrics: dict[str, float]) -> str:
-    """``wire: rank 0 sends 3.1 MiB a step within its node (all_gather 2.0 MiB, ...); ...``"""
-    from raylift.core.storage import size_text
-
+    """``wire: rank 0 sends a step 3.1 MiB within its node (all_gather 2.0 MiB, ...); ...``"""
     parts = []
     for where, words in (("within_node", "within its node"), ("across_nodes", "across nodes")):
         total = metrics[f"wire/{where}_bytes_per_step"]

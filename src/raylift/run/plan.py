@@ -186,12 +186,12 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Pla
     and where the run spans nodes, least across nodes first."""
     if nodes < 1 or gpus % nodes:
         raise ValueError(f"--nodes: {nodes} does not divide --gpus {gpus}; give a divisor")
-    trainable, frozen = count_trainable(cfg)
-    n_params, batch = trainable + frozen, cfg.data.batch_size
+    split = param_split(cfg)  # the model built once on the meta device, for both counts
+    trainable, n_params = split.trainable, split.blocks + split.root
+    frozen, batch = n_params - trainable, cfg.data.batch_size
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
     block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
-    split = param_split(cfg)
     rows = [
         Row(
             row.label,

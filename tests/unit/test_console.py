@@ -204,3 +204,28 @@ def test_an_uncaught_exception_is_shown_whoever_prints_it(tmp_path: Path, where:
     )
     assert "ValueError: boom" in done.stderr, done.stderr
     assert "ValueError: boom" in (tmp_path / "run.log").read_text()
+
+
+def test_what_a_library_writes_below_python_goes_to_the_log(tmp_path: Path) -> None:
+    """A C++ library's line to fd 2 (Arrow's S3 client logs each retry so) is in the log,
+    not on the console; raylift's lines, a child's stderr and errors still reach it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, subprocess, sys\nfrom pathlib import Path\n"
+        "from raylift.core import console\n"
+        f"console.route_driver(Path({str(tmp_path / 'run.log')!r}))\n"
+        "os.write(2, b's3fs.cc:817: SlowDown, retry = 1\\n')\n"
+        "print('raylift: mine', file=sys.stderr)\n"
+        "subprocess.run([sys.executable, '-c', 'import sys; print(\"child\", file=sys.stderr)'],"
+        " stderr=sys.stderr)\n"
+        "raise ValueError('boom')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S
+    )
+    log = (tmp_path / "run.log").read_text()
+    assert "SlowDown" in log and "SlowDown" not in done.stderr, (done.stderr, log)
+    assert "raylift: mine" in done.stderr and "child" in done.stderr, done.stderr
+    assert "ValueError: boom" in done.stderr and done.returncode == 1

@@ -4,7 +4,8 @@ Llama with LoRA. Then a checkpoint saved under one mesh resumed under others.
 
 The ranks here share one host, so the mesh is asked for by its numbers
 (``dp_replicate: 2``); ``auto`` builds the same mesh from two nodes' placement (the unit
-tests of raylift.strategies.mesh, and the two-node Ray run of test_mesh_runs)."""
+tests of raylift.strategies.mesh, and the drained HSDP run on a two-node Ray of
+test_drain)."""
 
 from __future__ import annotations
 

@@ -315,3 +315,17 @@ def test_two_commands_creating_the_experiment_at_once_both_use_it(tmp_path: Path
         found = experiment_id(client, "raylift")
     assert landed
     assert found == client.get_experiment_by_name("raylift").experiment_id
+
+
+def test_a_trial_started_again_from_scratch_keeps_its_one_child_run(tmp_path: Path) -> None:
+    """A trial stopped before its first checkpoint starts afresh on the resumed sweep (no
+    resume): it writes to the child it had, where a plain run starts a new one."""
+    from raylift.artifacts.tracking import start_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(QUICKSTART, [f"tracking.uri={uri}", "name=sweep-t0"])
+    child = {"mlflow.parentRunId": "p" * 32}
+    runs = str(tmp_path / "runs")
+    first = start_run(cfg, runs, resume=False, world_size=1, extra_tags=child)
+    assert start_run(cfg, runs, resume=False, world_size=1, extra_tags=child) == first
+    assert start_run(cfg, runs, resume=False, world_size=1) != first

@@ -270,7 +270,10 @@ def _start_run(
     mlflow = client(uri)
     from mlflow.entities import Param, RunTag
 
-    run_id = find_run(uri, cfg.tracking.experiment, key) if resume else None
+    # A sweep's trial is one child whatever its attempts: one stopped (Ctrl-C) before
+    # its first checkpoint starts afresh on the resumed sweep, in the child it had.
+    trial = "mlflow.parentRunId" in (extra_tags or {})
+    run_id = find_run(uri, cfg.tracking.experiment, key) if resume or trial else None
     params = {k: str(v)[:6000] for k, v in redact(flatten(cfg.to_dict())).items()}
     tags = {
         "raylift.run_key": key,

@@ -257,13 +257,45 @@ class DriverSink:
                 self._file = None
 
 
-def _install(sink_for: Any) -> None:
+def _install(sink_for: Any, below: TextIO | None = None) -> None:
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         stream = current.stream if isinstance(current, Router) else current
-        router = Router(stream, sink_for(name))
+        router = Router(below if name == "stderr" and below else stream, sink_for(name))
         setattr(sys, name, router)
         _repoint_handlers(stream, router)
+        if below is not None and name == "stderr":
+            _repoint_handlers(below, router)
+
+
+_console_err: list[TextIO] = []  # the terminal's stderr, once fd 2 is the log's
+
+
+def _below_python_to(log: Path) -> TextIO | None:
+    """What this process writes to its fd 2 below Python (a C++ library's log line, as
+    Arrow's S3 client writes one on each retry) goes to ``log``; Python's ``sys.stderr``
+    keeps the terminal through a copy of the descriptor, and so does whatever asks the
+    router for its ``fileno`` (faulthandler, a child's stderr). Only where ``sys.stderr``
+    is fd 2 itself (not a test's capture): the terminal's stream, or None."""
+    current = sys.stderr.stream if isinstance(sys.stderr, Router) else sys.stderr
+    if not _console_err:
+        try:
+            if current.fileno() != 2:
+                return None
+        except (AttributeError, OSError, ValueError):
+            return None
+        current.flush()
+        terminal = os.fdopen(
+            os.dup(2), "w", buffering=1, encoding=current.encoding, errors="backslashreplace"
+        )
+        _console_err.append(terminal)
+    elif current is not _console_err[0]:
+        return None
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return _console_err[0]
 
 
 def _repoint_handlers(stream: TextIO, router: Router) -> None:
@@ -332,7 +364,7 @@ def route_driver(log: Path) -> None:
             return
         previous.close()
     sink = DriverSink(log)
-    _install(lambda _name: sink)
+    _install(lambda _name: sink, _below_python_to(log))
     _show_uncaught()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -31,15 +32,19 @@ class FlakyDigits(DigitsTask):
 
 
 class NanDigits(DigitsTask):
-    """Digits whose ``nan_at``-th training loss is NaN, as a bad batch or an overflow makes it."""
+    """Digits whose ``nan_at``-th training loss is NaN, as a bad batch or an overflow makes it.
+    With ``modules``, rank 0 writes there the modules its process has imported by then
+    (the run has built, trained, evaluated and saved a checkpoint)."""
 
-    def __init__(self, nan_at: int = 13, **kwargs: object):
+    def __init__(self, nan_at: int = 13, modules: str = "", **kwargs: object):
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.nan_at, self.calls = nan_at, 0
+        self.nan_at, self.calls, self.modules = nan_at, 0, modules
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         self.calls += 1
         loss = super().loss(model, batch)
+        if self.calls == self.nan_at and self.modules and dist.get_rank() == 0:
+            Path(self.modules).write_text("\n".join(sorted(sys.modules)))
         return loss * float("nan") if self.calls == self.nan_at else loss
 
 

@@ -41,14 +41,17 @@ def test_a_nan_loss_under_stop_fails_the_run_through_ray(
     ray_cluster: str, in_tmp: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The stop is a report without a checkpoint, which Ray Train's result does not
-    carry: the driver still sees it, exits 1 and keeps the last good checkpoint."""
+    carry: the driver still sees it, exits 1 and keeps the last good checkpoint. By then
+    rank 0 has built, trained, evaluated and saved under DDP: it has imported no package
+    outside those a DDP run uses (issue: a worker imports only what its run uses)."""
+    modules = in_tmp / "modules.txt"
     code = cli_main(
         [
             "train",
             str(QUICKSTART),
             "name=nan",
             "task=tests.flaky:NanDigits",
-            "task_args={nan_at: 13, width: 8}",
+            f"task_args={{nan_at: 13, width: 8, modules: {modules}}}",
             "train.max_steps=20",
             "train.log_every_n_steps=5",
             "checkpoint.every_n_steps=10",
@@ -60,6 +63,10 @@ def test_a_nan_loss_under_stop_fails_the_run_through_ray(
     client, run = mlflow_run(in_tmp, find_only_run(in_tmp))
     assert run.info.status == "FAILED"
     assert list(history(client, run.info.run_id, "nonfinite_step").values()) == [13.0]
+    imported = modules.read_text().split()
+    packages = {m.split(".")[0] for m in imported if not m.startswith("_")}
+    assert not packages & NOT_FOR_DDP, sorted(packages & NOT_FOR_DDP)
+    assert packages <= DDP_WORKER, sorted(packages - DDP_WORKER)
 
 
 def find_only_run(tmp: Path) -> str:
@@ -71,6 +78,20 @@ def find_only_run(tmp: Path) -> str:
 
 
 # What raylift train prints: its own notes, and rank 0's progress lines.
+# What a DDP worker of the digits task may import beside the standard library: raylift
+# and the task's module, torch, Ray (Train, Data and what they import), and their
+# dependencies; never the packages of other strategies, adapters, HF models or MLflow
+# (metrics go through the tracking actor).
+NOT_FOR_DDP = {"deepspeed", "fairscale", "transformers", "peft", "mlflow", "safetensors"}
+DDP_WORKER = set(sys.stdlib_module_names) | {
+    "raylift", "tests", "torch", "torchgen", "sympy", "mpmath", "numpy", "ray", "pandas",
+    "pyarrow", "fsspec", "dateutil", "six", "yaml", "psutil", "packaging", "filelock",
+    "cloudpickle", "msgpack", "google", "pydantic", "pydantic_core", "annotated_types",
+    "typing_extensions", "typing_inspection", "anyio", "starlette", "click", "colorama",
+    "colorful", "colorful_orig", "rich", "requests", "urllib3", "idna", "certifi",
+    "charset_normalizer", "jsonschema", "jsonschema_specifications", "referencing", "rpds",
+    "rfc3339_validator", "jsonpointer", "attr", "attrs", "tqdm", "wcwidth", "cython_runtime",
+}  # fmt: skip
 OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
 STARTUP_KEYS = {f"startup/{p}_s" for p in PHASES}
 

@@ -276,11 +276,13 @@ def _below_python_to(log: Path) -> TextIO | None:
     Arrow's S3 client writes one on each retry) goes to ``log``; Python's ``sys.stderr``
     keeps the terminal through a copy of the descriptor, and so does whatever asks the
     router for its ``fileno`` (faulthandler, a child's stderr). Only where ``sys.stderr``
-    is fd 2 itself (not a test's capture): the terminal's stream, or None."""
+    is the interpreter's own, on fd 2 (not a notebook's stream, nor a test's capture):
+    the terminal's stream, or None."""
     current = sys.stderr.stream if isinstance(sys.stderr, Router) else sys.stderr
+    own = current is sys.__stderr__  # the interpreter's, not a stand-in
     if not _console_err:
         try:
-            if current.fileno() != 2:
+            if not own or current.fileno() != 2:
                 return None
         except (AttributeError, OSError, ValueError):
             return None

@@ -229,3 +229,8 @@ def test_what_a_library_writes_below_python_goes_to_the_log(tmp_path: Path) -> N
     assert "SlowDown" in log and "SlowDown" not in done.stderr, (done.stderr, log)
     assert "raylift: mine" in done.stderr and "child" in done.stderr, done.stderr
     assert "ValueError: boom" in done.stderr and done.returncode == 1
+    crash = code.replace("raise ValueError('boom')", "os.abort()")
+    done = subprocess.run(
+        [sys.executable, "-c", crash], capture_output=True, text=True, timeout=HANG_S
+    )
+    assert done.returncode == -6 and "Fatal Python error: Aborted" in done.stderr, done.stderr

@@ -17,6 +17,7 @@ in the log file, and a crash's own report shows its last lines (:mod:`raylift.ru
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import itertools
 import logging
@@ -291,6 +292,9 @@ def _below_python_to(log: Path) -> TextIO | None:
             os.dup(2), "w", buffering=1, encoding=current.encoding, errors="backslashreplace"
         )
         _console_err.append(terminal)
+        # A crash of this process (a C++ abort, a segfault) names its signal and stack on
+        # the terminal, whose library lines go to the log from now on.
+        faulthandler.enable(terminal, all_threads=True)
     elif current is not _console_err[0]:
         return None
     log.parent.mkdir(parents=True, exist_ok=True)

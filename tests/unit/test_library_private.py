@@ -448,8 +448,8 @@ KNOWN: dict[str, set[str]] = {
 }
 PROTOCOL = {"__init__", "__name__", "__class__", "__dict__", "__file__", "__path__",
             "__module__", "__qualname__", "__doc__", "__cause__", "__subclasses__",
-            "__deepcopy__", "__init_subclass__", "__excepthook__", "__version__", "__enter__",
-            "__exit__", "__wrapped__", "__mro__", "__new__"}  # fmt: skip
+            "__deepcopy__", "__init_subclass__", "__excepthook__", "__stderr__", "__version__",
+            "__enter__", "__exit__", "__wrapped__", "__mro__", "__new__"}  # fmt: skip
 IN_TEXT = re.compile(r"(?<!self)(?<!cls)\.(_[A-Za-z]\w*)")  # "torch._utils", f"{x._y}"
 
 

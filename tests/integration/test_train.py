@@ -43,7 +43,7 @@ def test_a_nan_loss_under_stop_fails_the_run_through_ray(
     """The stop is a report without a checkpoint, which Ray Train's result does not
     carry: the driver still sees it, exits 1 and keeps the last good checkpoint. By then
     rank 0 has built, trained, evaluated and saved under DDP: it has imported no package
-    outside those a DDP run uses (issue: a worker imports only what its run uses)."""
+    outside those a DDP run uses."""
     modules = in_tmp / "modules.txt"
     code = cli_main(
         [

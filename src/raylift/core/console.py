@@ -258,15 +258,15 @@ class DriverSink:
                 self._file = None
 
 
-def _install(sink_for: Any, below: TextIO | None = None) -> None:
+def _install(sink_for: Any, terminal_err: TextIO | None = None) -> None:
+    """Routers on both streams; stderr's writes to ``terminal_err`` where fd 2 was moved."""
     for name in ("stdout", "stderr"):
         current = getattr(sys, name)
         stream = current.stream if isinstance(current, Router) else current
-        router = Router(below if name == "stderr" and below else stream, sink_for(name))
+        router = Router(terminal_err if name == "stderr" and terminal_err else stream,
+                        sink_for(name))  # fmt: skip
         setattr(sys, name, router)
         _repoint_handlers(stream, router)
-        if below is not None and name == "stderr":
-            _repoint_handlers(below, router)
 
 
 _console_err: list[TextIO] = []  # the terminal's stderr, once fd 2 is the log's

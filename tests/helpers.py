@@ -385,6 +385,7 @@ def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
             "logits": logits,
             "memory": trainer.memory,  # the model-state metrics rank 0 logged
             "wire": tracker.wire(),
+            "layout": trainer.engine.layout,
         }
         settle(trainer.engine)
     if rank == 0:

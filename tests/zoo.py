@@ -165,7 +165,11 @@ def zoo_train(rank: int, world: int, runs: dict[str, dict], root: str) -> None:
         trainer = make_trainer(cfg, rank, world, reporter, tracker, data=_data(cfg, cache))
         trainer.run()
         vocab = trainer.task.vocab
-        results[name] = {"loss": tracker.series("train_loss"), "logits": _logits(trainer, vocab)}
+        results[name] = {
+            "loss": tracker.series("train_loss"),
+            "logits": _logits(trainer, vocab),
+            "layout": trainer.engine.layout,
+        }
         settle(trainer.engine)
         dist.barrier()
     if rank == 0:

@@ -144,3 +144,19 @@ def test_a_task_transform_runs_per_batch_seeded_by_the_rows_place_in_the_epoch()
     assert len(set(one.values())) == len(one)  # and a fresh draw per row
     val = next(source(0, 1, transform=jitter).eval_batches())
     assert "noise" not in val  # evaluation sees the data as prepared
+
+
+@pytest.mark.parametrize("start_row", [0, 96])
+def test_a_tensor_parallel_group_reads_its_ranks_rows_as_one_batch(start_row: int) -> None:
+    """Regrouped as reader i of 2, each taking 2 ranks' rows: batch k is ranks 2i and
+    2i+1's batch k of data parallel over 4, in that order (raylift.run.loop splits it
+    back into those two and trains on them in turn), also from a resumed position; every
+    rank of the group reads the same."""
+    for index in range(2):
+        grouped = source(0, 4)
+        grouped.regroup(index, 2, 2)
+        assert grouped.rows_per_micro_batch == source(0, 4).rows_per_micro_batch
+        got = ids(grouped.train_batches(1, start_row))
+        ranks = [ids(source(r, 4).train_batches(1, start_row)) for r in (2 * index, 2 * index + 1)]
+        assert got == [a + b for a, b in zip(*ranks, strict=True)]
+        assert grouped.remaining_micro_batches(start_row) == len(got)

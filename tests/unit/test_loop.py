@@ -17,6 +17,7 @@ from raylift.core.parsing import merge
 from raylift.data.ingest import to_device
 from raylift.run.loop import LoopState, early_stop_update, seed_everything
 from raylift.strategies.ddp import build_ddp
+from raylift.strategies.registry import Parts
 from raylift.tasks import build_task
 from raylift.tensors.checkpoints import LOOP_FILE, CheckpointError, _listed, read_loop_state
 from raylift.tensors.optim import lr_factor
@@ -121,7 +122,7 @@ def test_16_mixed_skips_inf_step_and_lowers_scale(pg: None) -> None:
         make_config(precision="16-mixed"),
         resolve_precision("16-mixed"),
         torch.device("cpu"),
-        blocks=[],
+        parts=Parts([]),
         init=lambda write: None,  # the Linear keeps its constructor's weights
     )
     assert engine.scaler is not None

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from raylift.core.config import ConfigError
 from raylift.strategies.mesh import MeshError, by_node, resolve
@@ -106,6 +107,46 @@ def test_mesh_keys_belong_to_fsdp() -> None:
         load_config(REPO / "configs" / "quickstart.yaml", ["strategy.dp_replicate=2"])
 
 
-def test_tensor_parallel_is_refused_until_a_model_can_be_split() -> None:
-    with pytest.raises(ConfigError, match=r"strategy.tp: 2: tensor parallelism is not available"):
-        load_config(REPO / "configs" / "quickstart.yaml", ["strategy.name=fsdp", "strategy.tp=2"])
+def test_tensor_parallel_with_an_adapter_is_refused_before_training() -> None:
+    with pytest.raises(ConfigError, match=r"strategy.tp: tensor parallelism splits .* LoRA"):
+        load_config(
+            REPO / "configs" / "gpt-tiny.yaml",
+            ["strategy.name=fsdp", "strategy.tp=2", "model.adapter.type=lora"],
+        )
+
+
+def test_plans_name_the_modules_of_their_model() -> None:
+    """gpt's own plan, and a Hugging Face model's (its base model's plan, under
+    ``model.``), each matched against the model; what raylift cannot apply is refused."""
+    transformers = pytest.importorskip("transformers")
+    from raylift.strategies.tensor_parallel import check_heads, expand, plan_of, style
+    from raylift.tasks import build_task
+    from tests.zoo import COMMON, ZOO
+
+    gpt = build_task("gpt", {"n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16})
+    split = expand(plan_of(gpt, model := gpt.build_model()) or {}, model)
+    assert split["blocks.1.mlp.0"] == "colwise" and split["blocks.0.qkv"] == "colwise_rep"
+    assert len(split) == 8
+
+    def hf(name: str) -> torch.nn.Module:
+        config = transformers.AutoConfig.for_model(**ZOO[name])
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    qwen3 = hf("qwen3")
+    split = expand(plan_of(object(), qwen3) or {}, qwen3)
+    assert split["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert split["model.layers.1.mlp.down_proj"] == "rowwise" and len(split) == 18
+    check_heads(qwen3, 2)  # 4 heads over 2 key/value heads: both split in two
+    with pytest.raises(ConfigError, match=r"3 does not divide the model's 4 num_attention"):
+        check_heads(qwen3, 3)
+    mixtral = plan_of(object(), hf("mixtral")) or {}
+    with pytest.raises(
+        ConfigError,
+        match=r"splits model.layers.\*.mlp.experts.gate_up_proj "
+        r"as 'packed_colwise', which raylift does not apply",
+    ):
+        [style(how, name) for name, how in mixtral.items()]
+    with pytest.raises(ConfigError, match=r"names model.layers.\*.q_proj, which the model"):
+        expand({"model.layers.*.q_proj": "colwise"}, qwen3)
+    assert plan_of(object(), torch.nn.Linear(2, 2)) is None
+    assert COMMON["num_key_value_heads"] == 2

@@ -129,7 +129,7 @@ class StrategyConfig:
     cpu_offload: bool = False  # fsdp: params, grads, optimizer state in host memory
     dp_replicate: int | str = AUTO  # fsdp: copies of the sharded model (auto: one per node)
     dp_shard: int | str = AUTO  # fsdp: ranks one copy is sharded over (auto: a node's workers)
-    tp: int | str = AUTO  # fsdp: tensor-parallel ranks (auto: 1; above 1 is not available yet)
+    tp: int | str = AUTO  # fsdp: tensor-parallel ranks within a node (auto: 1)
     zero_stage: int = 2  # deepspeed: 0 (DDP-like) .. 3 (everything sharded)
     offload: bool = False  # deepspeed: shorthand for offload_optimizer (+ offload_param at 3)
     offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU

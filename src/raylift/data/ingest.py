@@ -47,6 +47,12 @@ class BatchSource(Protocol):
 
     def eval_batches(self) -> Iterator[Batch]: ...
 
+    def regroup(self, index: int, count: int, group: int) -> None:
+        """Read as reader ``index`` of ``count``, each taking the rows of ``group`` ranks:
+        a tensor-parallel group's ranks then read the same batches, of ``group`` ranks'
+        rows, in the order data parallel over ``count x group`` ranks reads them."""
+        ...
+
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """Host -> device. On CUDA the batch comes from pinned memory, so the copy is asynchronous."""
@@ -234,6 +240,13 @@ class ShardSource:
 
     def micro_batches_per_epoch(self) -> int:
         return self.remaining_micro_batches(0)
+
+    def regroup(self, index: int, count: int, group: int) -> None:
+        # Batch k of reader i is rows [(k*count + i) * group*b, ...): exactly what ranks
+        # i*group .. i*group + group-1 of count*group read at batch size b.
+        self.rank, self.world = index, count
+        self.batch_size *= group
+        self.rows_per_micro_batch = self.batch_size * count
 
     def remaining_micro_batches(self, start_row: int) -> int:
         # Every rank gets the same count, so collectives line up; the tail is dropped.

@@ -11,6 +11,7 @@ logging interval (:mod:`raylift.run.progress`); saving and restoring is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import random
@@ -30,6 +31,8 @@ from raylift.run.saving import Saver
 from raylift.run.wire import WireMeter, wire_line
 from raylift.strategies import Engine, spec_for
 from raylift.strategies.mesh import node_of_ranks
+from raylift.strategies.registry import Parts
+from raylift.strategies.tensor_parallel import plan_of
 from raylift.tasks.base import Batch, Task, blocks_of, flops_per_sample, tokens_per_sample
 from raylift.tensors.adapters import (
     PEFT_WEIGHTS,
@@ -165,6 +168,14 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+def split_rows(batch: Batch, pieces: int) -> list[Batch]:
+    """``batch`` as ``pieces`` batches of consecutive rows (one rank's rows each)."""
+    if pieces == 1:
+        return [batch]
+    parts = {k: v.chunk(pieces) for k, v in batch.items()}
+    return [{k: v[i] for k, v in parts.items()} for i in range(pieces)]
+
+
 class Trainer:
     """One worker's run. ``run()`` returns the last metrics it reported."""
 
@@ -179,6 +190,11 @@ class Trainer:
         self.clock = PhaseClock(ctx.device, ctx.now)
         self.wire = WireMeter(node_of_ranks())
         self.engine, fps = self._build_engine()
+        view = self.engine.data_view
+        # A tensor-parallel group trains on one batch: its members' rows, one at a time.
+        self.pieces = view.group if view is not None else 1
+        if view is not None:
+            ctx.source.regroup(view.index, view.count, view.group)
         self.base = base_of(cfg, weights_path(cfg, task))
         self.adapter = meaning(cfg.model.adapter)
         self.checkpointer = Checkpointer(
@@ -188,7 +204,8 @@ class Trainer:
         self.saver = Saver(self.engine, ctx, cfg.checkpoint.async_)
         # Before the reseed below: measuring a CPU's peak draws random matrices.
         peak, _ = peak_flops(ctx.device, self.precision.compute_dtype)
-        seed_everything(cfg.train.seed + 1000 * ctx.rank)  # distinct dropout masks per rank
+        # Distinct dropout masks per data rank (a tensor-parallel group's ranks agree).
+        seed_everything(cfg.train.seed + 1000 * (view.index if view is not None else ctx.rank))
         self.steps_per_epoch = self._micro_per_epoch() // accum
         self.total_steps = self._total_steps()
         self.scheduler = build_scheduler(self.engine.optimizer, cfg.optim, self.total_steps)
@@ -236,7 +253,8 @@ class Trainer:
             reports.append(initial_weights(model, self.task, *args))
             return reports[-1]
 
-        engine = spec.build(model, cfg, self.precision, device, blocks, init)
+        parts = Parts(blocks, functools.partial(plan_of, self.task))
+        engine = spec.build(model, cfg, self.precision, device, parts, init)
         self.ctx.log(reports[0].describe(spec.build_path if sharded else "built whole"))
         if engine.layout:
             self.ctx.log(f"raylift: {engine.layout}")
@@ -417,18 +435,23 @@ class Trainer:
         self._evaluate_and_report()
 
     def _micro_step(self, raw: Batch) -> None:
+        last = (self.state.batch_in_epoch + 1) % self.accum == 0
+        pieces = split_rows(raw, self.pieces)
+        for i, piece in enumerate(pieces):
+            self._forward_backward(piece, last and i == len(pieces) - 1)
+        self.state.batch_in_epoch += 1
+        self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
+
+    def _forward_backward(self, raw: Batch, sync: bool) -> None:
         phase = self.clock.phase
         with phase("h2d"):
             batch = self.task.finish(to_device(raw, self.ctx.device), self.precision.input_dtype)
-        last = (self.state.batch_in_epoch + 1) % self.accum == 0
-        with self.engine.sync(last):
+        with self.engine.sync(sync):
             with phase("forward"), self.engine.autocast():
                 loss = self.task.loss(self.engine.model, batch)
             with phase("backward"):
-                self.engine.backward(loss / self.accum)
+                self.engine.backward(loss / (self.accum * self.pieces))
         self.meter.current.add(loss, self.state.step + 1)
-        self.state.batch_in_epoch += 1
-        self.state.epoch_rows += self.ctx.source.rows_per_micro_batch
 
     def _after_step(self) -> None:
         with self.clock.phase("optimizer"):
@@ -574,6 +597,8 @@ class Trainer:
         model.train()
         keys = sorted(sums)
         totals = all_reduce_sum(torch.stack([sums[k] for k in keys])).tolist() if keys else []
+        # A tensor-parallel group's ranks evaluated the same rows: each counted once.
+        totals = [t / self.pieces for t in totals]
         return self.task.summarize(dict(zip(keys, totals, strict=True)))
 
     def _epochs_done(self) -> float:

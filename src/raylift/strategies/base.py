@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from raylift.strategies.mesh import DataView
 from raylift.tensors.precision import Precision
 from raylift.tensors.ranged import Files, dcp_planner, dcp_reader, together
 from raylift.tensors.streaming import DCPModel
@@ -38,6 +39,9 @@ class Engine(Protocol):
     inference_mode_ok: bool  # False: evaluate under no_grad instead of inference_mode
     skip_nonfinite: bool  # train.on_nan: skip -- step() leaves the weights alone on inf/NaN grads
     layout: str  # how the ranks are arranged, for the run's first lines ("" where nothing to say)
+    # Where a tensor-parallel group trains on one batch: which rows this rank reads.
+    # None: each rank reads its own (data parallel).
+    data_view: DataView | None
 
     @property
     def skipped_steps(self) -> int:
@@ -253,6 +257,7 @@ class TorchEngine:
         state_io: StateIO | None = None,
         clip: Callable[[float], torch.Tensor] | None = None,
         layout: str = "",
+        data_view: DataView | None = None,
     ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
@@ -270,6 +275,7 @@ class TorchEngine:
         self.skip_nonfinite = False
         self.skipped_steps = 0
         self.layout = layout  # the run's line on how its ranks are arranged (FSDP's mesh)
+        self.data_view = data_view
 
     @property
     def eval_model(self) -> nn.Module:

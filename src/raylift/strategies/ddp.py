@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylift.core.config import Config
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
-from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
 from raylift.tensors.adapters import keep_trainable_fp32
 from raylift.tensors.init import Initializer, write_in_place
 from raylift.tensors.optim import build_optimizer
@@ -27,12 +27,12 @@ def build_ddp(
     cfg: Config,
     precision: Precision,
     device: torch.device,
-    blocks: list[nn.Module],
+    parts: Parts,
     init: Initializer,
 ) -> TorchEngine:
     init(write_in_place)
     if cfg.strategy.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(parts.blocks)
     model = keep_trainable_fp32(model.to(device=device, dtype=precision.param_dtype))
     optimizer = build_optimizer(model, cfg.optim)
     if not dist.is_initialized() or dist.get_world_size() == 1:

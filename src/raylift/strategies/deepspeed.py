@@ -37,7 +37,8 @@ from raylift.strategies.base import (
     written,
 )
 from raylift.strategies.deepspeed_config import ds_config, problems, sized_buckets
-from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.mesh import DataView
+from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
 from raylift.strategies.zero_files import (
     ENGINE_DIR,
     TAG,
@@ -109,16 +110,16 @@ def build_deepspeed(
     cfg: Config,
     precision: Precision,
     device: torch.device,
-    blocks: list[nn.Module],
+    parts: Parts,
     init: Initializer,
 ) -> DeepSpeedEngine:
     config = ds_config(cfg, precision)  # its problems before the slow import
     deepspeed = ready_deepspeed(device)
     init(write_zero3 if cfg.strategy.zero_stage == 3 else write_in_place)
-    buckets = {"zero_optimization": sized_buckets(model, blocks, cfg.strategy.zero_stage)}
+    buckets = {"zero_optimization": sized_buckets(model, parts.blocks, cfg.strategy.zero_stage)}
     config = merge(merge(config, buckets), cfg.strategy.config)  # the user's keys still win
     if cfg.strategy.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(parts.blocks)
     # DeepSpeed casts to its own precision (fp16/bf16 sections); raylift only places it.
     model = model.to(device)
     # ZeRO's offload keeps the fp32 master and moments on the CPU: no fused CUDA kernel.
@@ -317,6 +318,7 @@ class DeepSpeedEngine:
         # train.on_nan: skip with deepspeed only there); skipped_steps reads its count.
         self.skip_nonfinite = False
         self.layout = ""
+        self.data_view: DataView | None = None  # data parallel: each rank reads its own rows
 
     @property
     def skipped_steps(self) -> int:

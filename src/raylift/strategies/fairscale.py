@@ -23,7 +23,7 @@ from raylift.strategies.base import (
     host_copy,
     written,
 )
-from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
 from raylift.tensors.adapters import keep_trainable_fp32
 from raylift.tensors.init import Initializer, write_in_place
 from raylift.tensors.optim import implementation, optimizer_class_and_kwargs, param_groups
@@ -103,14 +103,14 @@ def build_fairscale(
     cfg: Config,
     precision: Precision,
     device: torch.device,
-    blocks: list[nn.Module],
+    parts: Parts,
     init: Initializer,
 ) -> TorchEngine:
     from fairscale.nn.data_parallel import ShardedDataParallel
 
     init(write_in_place)
     if cfg.strategy.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(parts.blocks)
     model = keep_trainable_fp32(model.to(device=device, dtype=precision.param_dtype))
     optimizer = build_oss(model, cfg)
     sharded = ShardedDataParallel(model, optimizer)

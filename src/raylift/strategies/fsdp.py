@@ -14,17 +14,24 @@ this way 5e-3.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from raylift.core.config import Config
+from raylift.core.config import AUTO, Config, ConfigError
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
 from raylift.strategies.mesh import Mesh, node_of_ranks, resolve
 from raylift.strategies.mesh import problems as mesh_problems
-from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
+from raylift.strategies.tensor_parallel import (
+    clip_across_meshes,
+    parallelize,
+    refuse_without_plan,
+)
 from raylift.tensors.adapters import keep_trainable_fp32
 from raylift.tensors.init import Initializer, materialize, params_on_meta, write_dtensor
 from raylift.tensors.optim import build_optimizer
@@ -37,8 +44,17 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
+ADAPTER_TP = (
+    "strategy.tp: tensor parallelism splits the base model's linear layers, and "
+    "model.adapter's LoRA layers wrap them whole: set strategy.tp to 1 (FSDP or HSDP "
+    "shard an adapter run), or train without model.adapter"
+)
+
+
 def problems(cfg: Config) -> list[str]:
     out = mesh_problems(cfg)
+    if cfg.model.adapter.type and cfg.strategy.tp not in (1, AUTO):
+        out.append(ADAPTER_TP)
     if cfg.strategy.cpu_offload and not cfg.scaling.use_gpu:
         out.append(
             "strategy.cpu_offload: offloading to the CPU needs GPU workers "
@@ -75,7 +91,7 @@ def build_fsdp(
     cfg: Config,
     precision: Precision,
     device: torch.device,
-    blocks: list[nn.Module],
+    parts: Parts,
     init: Initializer,
 ) -> TorchEngine:
     from torch.distributed.fsdp import (
@@ -90,12 +106,20 @@ def build_fsdp(
     # Created on the meta device (``create`` below): the dtype is set before storage exists.
     model = keep_trainable_fp32(model.to(dtype=precision.param_dtype))
     layout = resolve(s, node_of_ranks())
-    mesh = fsdp_mesh(layout, device.type)
+    root = layout.device_mesh(device.type)
+    mesh = fsdp_mesh(layout, root)
+    if layout.tp > 1:  # split first: FSDP then shards each slice over the other dimensions
+        if cfg.model.adapter.type:
+            raise ConfigError(ADAPTER_TP)
+        plan = parts.tp_plan(model)
+        if plan is None:
+            raise refuse_without_plan(model)
+        parallelize(model, plan, root["tp"])
     if s.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(parts.blocks)
     offload: OffloadPolicy = CPUOffloadPolicy() if s.cpu_offload else OffloadPolicy()
     policy = mp_policy(precision)
-    for block in blocks:
+    for block in parts.blocks:
         fully_shard(
             block,
             mesh=mesh,
@@ -127,13 +151,17 @@ def build_fsdp(
         scaler=scaler,
         inference_mode_ok=False,
         layout=layout.line(),
+        data_view=layout.data_view(dist.get_rank()) if layout.tp > 1 else None,
+        clip=functools.partial(clip_across_meshes, list(model.parameters()))
+        if layout.tp > 1
+        else None,
     )
 
 
-def fsdp_mesh(layout: Mesh, device_type: str) -> DeviceMesh:
-    """The mesh ``fully_shard`` is given: 2-D (replicate, shard) is HSDP, 1-D full sharding."""
-    mesh = layout.device_mesh(device_type)
-    return mesh["replicate", "shard"] if layout.hsdp else mesh["shard"]
+def fsdp_mesh(layout: Mesh, root: DeviceMesh) -> DeviceMesh:
+    """The mesh ``fully_shard`` is given: 2-D (replicate, shard) is HSDP, 1-D full
+    sharding; a slice of ``root``, the mesh tensor parallel splits over too."""
+    return root["replicate", "shard"] if layout.hsdp else root["shard"]
 
 
 # The mesh left auto shards within each node where the run spans several (HSDP); the

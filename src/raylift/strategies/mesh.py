@@ -33,6 +33,18 @@ class MeshError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class DataView:
+    """A rank's place among the data readers: ``index`` of ``count``, each reading the
+    rows of ``group`` ranks (a tensor-parallel group) and training on them as ``group``
+    micro-batches in turn, so the step's rows and loss are those of ``count x group``
+    ranks of data parallel."""
+
+    index: int
+    count: int
+    group: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Mesh:
     replicate: int
     shard: int
@@ -71,6 +83,12 @@ class Mesh:
         if size == 1:
             return ""
         return "(across nodes)" if self.crosses_nodes(dim) else "(within a node)"
+
+    def data_view(self, rank: int) -> DataView:
+        """Which data ``rank`` reads: its tensor-parallel group's rows, as one reader of
+        ``replicate x shard`` (the group's ranks all see the same batches)."""
+        place = self.order.index(rank)
+        return DataView(place // self.tp, len(self.order) // self.tp, self.tp)
 
     def device_mesh(self, device_type: str) -> DeviceMesh:
         """The 3-D device mesh (collective: every rank calls it)."""
@@ -201,13 +219,6 @@ def problems(cfg: Config) -> list[str]:
             out.append(f"strategy.{key}: an integer >= 1 or auto, got {value!r}")
     if out:
         return out
-    if _sizes(s.tp) not in (None, 1):
-        # The mesh has the dimension (and checks it); no model is split along it yet: the
-        # data would have to reach a tensor-parallel group's ranks as one batch.
-        return [
-            f"strategy.tp: {s.tp}: tensor parallelism is not available yet in raylift; "
-            "set strategy.tp to 1 or auto (FSDP or HSDP shard the model instead)"
-        ]
     sizes = [_sizes(getattr(s, k)) for k in KEYS]
     fixed = [v for v in sizes if v is not None]
     product = 1

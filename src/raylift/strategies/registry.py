@@ -20,11 +20,20 @@ from raylift.tensors.init import Initializer, Kept
 from raylift.tensors.precision import Precision
 from raylift.tensors.streaming import ModelTensors
 
-# (model, config, precision, device, the model's repeated blocks, the initial-weights
-# pass, which the builder runs once the parameters have their storage) -> engine
-Builder = Callable[
-    [nn.Module, Config, Precision, torch.device, list[nn.Module], Initializer], Engine
-]
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """What the task says of its model's parts: its repeated blocks (transformer layers),
+    and its tensor-parallel plan, asked for only where ``strategy.tp`` splits the model
+    (raylift.strategies.tensor_parallel)."""
+
+    blocks: list[nn.Module]
+    tp_plan: Callable[[nn.Module], dict[str, str] | None] = lambda model: None
+
+
+# (model, config, precision, device, the model's parts, the initial-weights pass, which
+# the builder runs once the parameters have their storage) -> engine
+Builder = Callable[[nn.Module, Config, Precision, torch.device, Parts, Initializer], Engine]
 # (config, precision, device) -> the context the task's model is created in; it yields
 # the constructor values it kept (raylift.tensors.init.params_on_meta), or None
 Creator = Callable[

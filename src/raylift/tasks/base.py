@@ -116,3 +116,15 @@ class ImageClassifier:
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums["count"], 1.0)
         return {"val_loss": sums["loss_sum"] / n, "val_acc": sums["correct"] / n}
+
+
+def hf_plan(model: nn.Module) -> dict[str, str] | None:
+    """A Hugging Face model's own plan: its config's ``base_model_tp_plan``, whose names
+    are under the base model's attribute (``model.``)."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if not base:
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix and isinstance(getattr(model, prefix, None), nn.Module)
+    return {(f"{prefix}.{k}" if inner else k): v for k, v in base.items()}

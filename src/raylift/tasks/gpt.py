@@ -266,6 +266,18 @@ class GPTTask:
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]
 
+    def tp_plan(self, model: nn.Module) -> dict[str, str] | None:
+        """Tensor parallel (``strategy.tp``): the MLP split as Megatron splits it. The
+        fused ``qkv`` is split too, but its output is gathered whole: a contiguous slice
+        of [q | k | v] would cut the heads apart, so attention itself runs whole on every
+        rank of the group, and ``proj`` takes its input whole."""
+        return {
+            "blocks.*.qkv": "colwise_rep",
+            "blocks.*.proj": "rowwise_rep",
+            "blocks.*.mlp.0": "colwise",
+            "blocks.*.mlp.2": "rowwise",
+        }
+
     def init_weights(self, module: nn.Module) -> None:
         """GPT-2's initial weights, module by module (see raylift.tensors.init)."""
         GPT._init(module)

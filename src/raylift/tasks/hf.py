@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.tasks.base import Batch, Columns
+from raylift.tasks.base import Batch, Columns, hf_plan
 from raylift.tasks.gpt import GPTTask, documents, windows
 from raylift.tensors.weights import INDEX, SINGLE
 
@@ -142,6 +142,10 @@ class HFCausalLM(GPTTask):
 
     def hf_config(self) -> Any:
         return self.config
+
+    def tp_plan(self, model: nn.Module) -> dict[str, str] | None:
+        """The model's own plan (its config's ``base_model_tp_plan``), not gpt's."""
+        return hf_plan(model)
 
     # ------------------------------------------------------------ data
 

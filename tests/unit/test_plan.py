@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from raylift.cli import main
 from raylift.run.plan import (
@@ -80,3 +81,46 @@ def test_plan_command_prints_a_table_and_the_choice(capsys: pytest.CaptureFixtur
         assert f"\n{label} " in out
     assert "choice (strategy: auto): {'name': 'ddp'}" in out
     assert main(["plan", str(GPT), "--gpus", "0", "--gpu-mem", "16"]) == 2
+
+
+def test_tensor_parallel_over_each_node_divides_what_its_plan_splits() -> None:
+    """fsdp-tp (tp = the workers per node, sharded over the nodes): of 1000 parameters,
+    the 800 the plan splits are divided over all 8 ranks, the other 200 over the 2 nodes."""
+    cfg = load_config(GPT, ["precision=32"])
+    assert model_states("fsdp-tp", 1000, cfg, 8, nodes=2, tp_split=800) == (800, 800, 1600)
+    plan = make_plan(cfg, 4, 16, nodes=2)
+    row = next(r for r in plan.rows if r.label == "fsdp-tp")
+    assert row.strategy == {"name": "fsdp", "dp_replicate": 1, "tp": 2} and not row.refused
+    full = next(r for r in plan.rows if r.label == "fsdp-full")
+    assert row.states < 2 * full.states and row.across < full.across
+    # The digits MLP has no plan: the row is there, refused, saying why.
+    digits = make_plan(load_config(GPT.parent / "quickstart.yaml"), 4, 16, nodes=2)
+    (refused,) = [r.refused for r in digits.rows if r.label == "fsdp-tp"]
+    assert refused and "has no tensor-parallel plan" in refused[0]
+    assert all(r.label != "fsdp-tp" for r in make_plan(cfg, 4, 16, nodes=4).rows)  # 1 a node
+
+
+def test_a_70b_llama_on_4_nodes_of_8_is_split_within_each_node(tmp_path: Path) -> None:
+    """Llama 3 70B's shape at 4096 tokens, bf16-mixed, on 4 nodes of 8 x 80 GB: HSDP's
+    states do not fit; tensor parallel over each node, sharded over the nodes, does (with
+    activation checkpointing) and sends far less across nodes than sharding over all 32."""
+    shape = {
+        "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
+        "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "vocab_size": 128256, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    }  # fmt: skip
+    pytest.importorskip("transformers")
+    config = tmp_path / "l70.yaml"
+    config.write_text(
+        yaml.safe_dump({
+            "task": "hf-causal-lm", "task_args": {"model": shape, "block_size": 4096},
+            "data": {"batch_size": 1}, "scaling": {"num_workers": 32, "use_gpu": True},
+            "strategy": {"name": "auto"}, "precision": "bf16-mixed",
+        })
+    )  # fmt: skip
+    plan = make_plan(load_config(config), 32, 80, nodes=4)
+    rows = {r.label: r for r in plan.rows}
+    assert rows["fsdp"].states > plan.budget  # HSDP: a node's 8 cannot hold the states
+    assert plan.choice is rows["fsdp-tp"] and plan.checkpointing
+    assert plan.choice.strategy == {"name": "fsdp", "dp_replicate": 1, "tp": 8}
+    assert rows["fsdp-tp"].across < rows["fsdp-full"].across / 8

@@ -10,6 +10,7 @@ import pytest
 from raylift.cli import main
 from raylift.commands.submit import pip_packages
 from raylift.core.config import AUTO, ConfigError, StrategyConfig
+from raylift.run.plan import planned_strategy
 from raylift.strategies import REGISTRY, config_problems, plan_row_for, plan_rows, spec_for
 from raylift.strategies.registry import COMMON_OPTIONS
 from raylift.validation import load_config
@@ -99,12 +100,13 @@ def test_plan_rows_keep_their_order_and_are_valid_configs() -> None:
         "zero2",
         "fsdp",
         "fsdp-full",  # only where the run spans nodes: on one it is fsdp's twin
+        "fsdp-tp",  # tp: the workers per node, filled in by the plan
         "zero3",
         "zero3-offload",
     ]
     base = load_config(GPT)
     for row in rows:
-        cfg = dataclasses.replace(base, strategy=StrategyConfig(**row.strategy))
+        cfg = dataclasses.replace(base, strategy=StrategyConfig(**planned_strategy(row, 2)))
         assert config_problems(cfg) == [], row.label
         assert plan_row_for(cfg.strategy) is row
     assert plan_row_for(StrategyConfig(name=AUTO)) is None

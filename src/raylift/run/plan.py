@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
 
-from raylift.core.config import Config, StrategyConfig
+from raylift.core.config import Config, ConfigError, StrategyConfig
 from raylift.data.sources import sample
 from raylift.strategies import PlanRow, config_problems, plan_row, plan_rows
 from raylift.strategies.base import apply_activation_checkpointing
+from raylift.strategies.registry import TP_PER_NODE
+from raylift.strategies.tensor_parallel import HEADS, expand, plan_of, refuse_without_plan, style
 from raylift.tasks import build_task
-from raylift.tasks.base import blocks_of
+from raylift.tasks.base import blocks_of, tokens_per_sample
 from raylift.tensors.adapters import attach, trainable_numel
 from raylift.tensors.init import meta_model
 from raylift.tensors.precision import DeviceFacts, Precision, resolve_precision
@@ -88,11 +91,17 @@ def model_states(
     world: int,
     trainable: int | None = None,
     nodes: int = 1,
+    tp_split: int = 0,
 ) -> tuple[int, int, int]:
     """(params, grads, optimizer) bytes one rank holds on the device. ``trainable``: the
     parameters that train (adapters on a frozen base); the rest hold no gradient and no
-    optimizer state. ``nodes``: what the ``world`` ranks span (HSDP shards within one)."""
+    optimizer state. ``nodes``: what the ``world`` ranks span (HSDP shards within one).
+    ``tp_split``: the parameters tensor parallel splits (a row split over each node's
+    workers and sharded over the nodes divides those by the world, the rest by the nodes)."""
     row = plan_row(label)
+    # The share of a state a rank holds: a split part over the world, the rest over nodes.
+    part = tp_split / max(n_params, 1) if row.tp_per_node else 0.0
+    share = part / world + (1 - part) / (nodes if row.tp_per_node else world)
     world = world // nodes if row.per_node else world
     trainable = n_params if trainable is None else trainable
     frozen = n_params - trainable
@@ -104,7 +113,8 @@ def model_states(
     if row.fp32_master and width != 4:  # fp32 weights are their own master (deepspeed.py)
         optimizer += trainable * 4
     full = (trainable * own + frozen * width, trainable * own, optimizer)
-    held = [b // world if sharded else b for b, sharded in zip(full, row.shards, strict=True)]
+    divided = [round(b * share) if row.tp_per_node else b // world for b in full]
+    held = [d if sharded else b for b, d, sharded in zip(full, divided, row.shards, strict=True)]
     if row.offload:
         held[0], held[2] = 0, 0
     return held[0], held[1], held[2]
@@ -175,9 +185,21 @@ def count_trainable(cfg: Config) -> tuple[int, int]:
     return trainable_numel(model)
 
 
-def refusals(cfg: Config, row: PlanRow) -> list[str]:
-    """Why ``cfg`` cannot run as ``row`` (fp16 where the strategy has no loss scaler, say)."""
-    return config_problems(dataclasses.replace(cfg, strategy=StrategyConfig(**row.strategy)))
+def planned_strategy(row: PlanRow, per_node: int) -> dict:
+    """The strategy section ``row`` runs as, its tensor-parallel size (where it is the
+    workers per node) filled in."""
+    strategy = dict(row.strategy)
+    if strategy.get("tp") == TP_PER_NODE:
+        strategy["tp"] = per_node
+    return strategy
+
+
+def refusals(cfg: Config, row: PlanRow, gpus: int = 0, per_node: int = 1) -> list[str]:
+    """Why ``cfg`` cannot run as ``row`` (fp16 where the strategy has no loss scaler, say)
+    on ``gpus`` workers (0: the config's own count)."""
+    strategy = StrategyConfig(**planned_strategy(row, per_node))
+    scaling = dataclasses.replace(cfg.scaling, num_workers=gpus) if gpus else cfg.scaling
+    return config_problems(dataclasses.replace(cfg, strategy=strategy, scaling=scaling))
 
 
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Plan:
@@ -192,19 +214,20 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Pla
     per_sample = activations_per_sample(cfg, checkpointing=False)
     per_sample_ckpt = activations_per_sample(cfg, checkpointing=True)
     block = largest_block(cfg) * planned_precision(cfg).param_dtype.itemsize
+    per_node = gpus // nodes
     rows = [
         Row(
             row.label,
-            dict(row.strategy),
-            *model_states(row.label, n_params, cfg, gpus, trainable, nodes),
+            planned_strategy(row, per_node),
+            *model_states(row.label, n_params, cfg, gpus, trainable, nodes, split.tp.split),
             per_sample * batch,
             per_sample_ckpt * batch,
-            refusals(cfg, row),
-            row.block_buffers * block,
+            refusals(cfg, row, gpus, per_node) + split.tp.problems(per_node, row),
+            row.block_buffers * block // (per_node if row.tp_per_node else 1),
             *predicted_wire(cfg, row.label, gpus, nodes, split),
         )
         for row in plan_rows()
-        if nodes > 1 or not row.spanning
+        if (nodes > 1 or not row.spanning) and (per_node > 1 or not row.tp_per_node)
     ]
     if nodes > 1:
         rows.sort(key=lambda r: (r.across, r.within))  # stable: ties keep the order above
@@ -304,6 +327,64 @@ def wire_lines(plan: Plan, gpus: int) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class TPShape:
+    """What tensor parallel splits of the model (raylift.strategies.tensor_parallel): its
+    parameters, and the widths a token's activations have in each of its collectives."""
+
+    split: int = 0  # parameters the plan splits
+    fwd_reduce: int = 0  # rowwise outputs, all-reduced in forward
+    fwd_gather: int = 0  # colwise_rep outputs, all-gathered in forward
+    bwd_reduce: int = 0  # colwise inputs, whose gradients are all-reduced in backward
+    bwd_gather: int = 0  # rowwise_rep inputs, whose gradients are all-gathered in backward
+    heads: tuple[int, ...] = ()  # the head counts a group's size must divide
+    problem: str = ""  # why the model cannot be split; "" where it can
+
+    def problems(self, tp: int, row: PlanRow) -> list[str]:
+        if not row.tp_per_node:
+            return []
+        if self.problem:
+            return [self.problem]
+        return [
+            f"strategy.tp: {tp} (the workers per node) does not divide the model's {h} heads"
+            for h in self.heads
+            if h % tp
+        ]
+
+
+WIDTHS = ("split", "fwd_reduce", "fwd_gather", "bwd_reduce", "bwd_gather")
+
+
+def tp_shape(task: object, model: torch.nn.Module) -> TPShape:
+    """The model's tensor-parallel plan, counted."""
+    try:
+        plan = plan_of(task, model)
+        if plan is None:
+            raise refuse_without_plan(model)
+        split = expand(plan, model)
+        for name, how in split.items():
+            style(how, name)  # one raylift applies, or refused
+    except ConfigError as exc:
+        return TPShape(problem=str(exc))
+    modules = dict(model.named_modules())
+    counts: dict[str, Any] = dict.fromkeys(WIDTHS, 0)
+    for name, how in split.items():
+        m = modules[name]
+        if not isinstance(m, torch.nn.Linear):
+            continue  # a norm: whole on every rank
+        col = how.startswith("colwise")
+        counts["split"] += m.weight.numel() + (m.bias.numel() if col and m.bias is not None else 0)
+        width = "bwd_reduce" if col else "fwd_reduce"
+        counts[width] += m.in_features if col else m.out_features
+        if how == "colwise_rep":
+            counts["fwd_gather"] += m.out_features
+        if how == "rowwise_rep":
+            counts["bwd_gather"] += m.in_features
+    config = getattr(model, "config", None)
+    heads = tuple(h for k in HEADS if isinstance(h := getattr(config, k, None), int))
+    return TPShape(**counts, heads=heads)
+
+
+@dataclasses.dataclass(frozen=True)
 class ParamSplit:
     """Parameters in the model's repeated blocks and at its root, all and trainable."""
 
@@ -311,6 +392,8 @@ class ParamSplit:
     blocks_trainable: int
     root: int
     root_trainable: int
+    tp: TPShape = TPShape()
+    tokens: int = 0  # a sample's tokens (the task's tokens_per_sample)
 
     @property
     def trainable(self) -> int:
@@ -335,7 +418,9 @@ def param_split(cfg: Config) -> ParamSplit:
                 seen.add(id(p))
                 counts[at] += p.numel()
                 counts[at + 1] += p.numel() if p.requires_grad else 0
-    return ParamSplit(*counts)
+    blocks, blocks_trainable, root, root_trainable = counts
+    tp, tokens = tp_shape(task, model), tokens_per_sample(task)
+    return ParamSplit(blocks, blocks_trainable, root, root_trainable, tp, tokens)
 
 
 def _ring(group: int, factor: float = 1.0) -> float:
@@ -359,17 +444,36 @@ def predicted_wire(
     if not row.gathers:  # every rank's gradients all-reduced over the world
         grads = split.trainable * width * _ring(gpus, 2.0)
         return (grads, 0.0) if nodes == 1 else (0.0, grads)
-    shard = gpus // nodes if row.per_node else gpus
-    replicas = gpus // shard
+    tp = gpus // nodes if row.tp_per_node else 1
+    shard = gpus // nodes if row.per_node else gpus // tp
+    replicas = gpus // shard // tp
+    # A rank gathers and reduces its slice of what tensor parallel splits.
+    sliced = split.tp.split * (1 - 1 / tp)
     # Blocks gathered in the compute dtype under mixed precision, for forward and, where
     # resharded after it, again for backward; the root once, in its own dtype.
     mixed = (precision.autocast_dtype or precision.param_dtype).itemsize
     passes = 2 if cfg.strategy.reshard_after_forward else 1
-    gathered = split.blocks * mixed * passes + split.root * width
-    reduced = split.trainable * (4 if precision.autocast_dtype else width)
+    gathered = (split.blocks - sliced) * mixed * passes + split.root * width
+    reduced = (split.trainable - sliced) * (4 if precision.autocast_dtype else width)
     in_shard = accum * gathered * _ring(shard) + reduced * _ring(shard, scatter)
     in_replicas = reduced / shard * _ring(replicas, 2.0)
+    if tp > 1:  # the group's collectives stay within the node; the shards span nodes
+        within = tp_activations(cfg, split, tp)
+        return (within + in_shard, 0.0) if nodes == 1 else (within, in_shard)
     if nodes == 1:
         return in_shard + in_replicas, 0.0
     # Over several nodes a shard group is a node's workers (HSDP) or the whole world.
     return (in_shard, in_replicas) if row.per_node else (0.0, in_shard + in_replicas)
+
+
+def tp_activations(cfg: Config, split: ParamSplit, tp: int) -> float:
+    """Bytes a rank sends a step in its tensor-parallel group: each split layer's
+    activations (a rank runs every row of its group, one rank's rows at a time), forward
+    again under activation checkpointing."""
+    tokens = cfg.data.batch_size * split.tokens * tp * cfg.train.grad_accum
+    act = planned_precision(cfg).compute_dtype.itemsize
+    shape = split.tp
+    forward = shape.fwd_reduce * _ring(tp, 2.0) + shape.fwd_gather * _ring(tp)
+    backward = shape.bwd_reduce * _ring(tp, 2.0) + shape.bwd_gather * _ring(tp)
+    passes = 2 if cfg.strategy.activation_checkpointing else 1
+    return tokens * act * (forward * passes + backward)

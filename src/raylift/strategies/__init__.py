@@ -11,7 +11,7 @@ import dataclasses
 from raylift.core.config import AUTO, Config, StrategyConfig
 from raylift.strategies import ddp, deepspeed, fairscale, fsdp
 from raylift.strategies.base import Engine, TorchEngine
-from raylift.strategies.registry import PlanRow, Shards, StrategySpec
+from raylift.strategies.registry import TP_PER_NODE, PlanRow, Shards, StrategySpec
 
 # In the order the config lists the choices.
 REGISTRY: dict[str, StrategySpec] = {
@@ -82,7 +82,12 @@ def plan_row(label: str) -> PlanRow:
 def plan_row_for(strategy: StrategyConfig) -> PlanRow | None:
     """The plan row a strategy section runs as: the most specific one whose keys it matches;
     None where no row describes it (``auto``, or DeepSpeed's stage 0)."""
-    matches = [
-        r for r in plan_rows() if all(getattr(strategy, k) == v for k, v in r.strategy.items())
-    ]
+    matches = [r for r in plan_rows() if all(_is(strategy, k, v) for k, v in r.strategy.items())]
     return max(matches, key=lambda r: len(r.strategy), default=None)
+
+
+def _is(strategy: StrategyConfig, key: str, value: object) -> bool:
+    got = getattr(strategy, key)
+    if value == TP_PER_NODE and key == "tp":  # any tensor-parallel size above 1
+        return isinstance(got, int) and got > 1
+    return bool(got == value)

@@ -26,7 +26,7 @@ from raylift.core.config import AUTO, Config, ConfigError
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
 from raylift.strategies.mesh import Mesh, node_of_ranks, resolve
 from raylift.strategies.mesh import problems as mesh_problems
-from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
+from raylift.strategies.registry import TP_PER_NODE, Parts, PlanRow, Shards, StrategySpec
 from raylift.strategies.tensor_parallel import (
     clip_across_meshes,
     parallelize,
@@ -178,6 +178,18 @@ FULL_ROW = PlanRow(
     spanning=True,
 )
 
+# Tensor parallel within each node, FSDP over the nodes: a node's ranks each hold a slice
+# of the split layers, and only the slices' gathers cross between nodes.
+TP_ROW = PlanRow(
+    "fsdp-tp",
+    {"name": "fsdp", "dp_replicate": 1, "tp": TP_PER_NODE},
+    _ALL,
+    5,
+    block_buffers=3,
+    gathers=True,
+    tp_per_node=True,
+)
+
 SPEC = StrategySpec(
     name="fsdp",
     options=("reshard_after_forward", "cpu_offload", "dp_replicate", "dp_shard", "tp"),
@@ -188,5 +200,5 @@ SPEC = StrategySpec(
     build_path="built on the meta device, sharded, then initialised module by module",
     # Unsharded: the block running and the next one (prefetched), and one block's
     # gradients before their reduce-scatter.
-    plan_rows=(HSDP_ROW, FULL_ROW),
+    plan_rows=(HSDP_ROW, FULL_ROW, TP_ROW),
 )

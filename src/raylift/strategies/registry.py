@@ -77,6 +77,14 @@ class PlanRow:
     per_node: bool = False
     # Shown only where the run spans nodes (on one node it is another row's twin).
     spanning: bool = False
+    # Tensor parallel over each node's workers (its ``tp`` is TP_PER_NODE, filled in by
+    # the plan), sharded over the nodes.
+    tp_per_node: bool = False
+
+
+# A plan row's ``tp``: the workers per node of the run planned. No config has it (tp >= 1),
+# so no config's strategy is taken for that row.
+TP_PER_NODE = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,8 +126,9 @@ def _suite(r: Result) -> bool:
 
 
 def _parallelism(r: Result) -> bool:
-    """The plan within 10% of every measured byte count of DDP, FSDP and HSDP."""
-    pairs = [(row[i], row[i + 1]) for row in r["rows"] if row[0] in ("ddp", "fsdp", "fsdp-full")
+    """The plan within 10% of every measured byte count of DDP, FSDP, HSDP and FSDP+TP."""
+    measured = ("ddp", "fsdp", "fsdp-full", "fsdp-tp")
+    pairs = [(row[i], row[i + 1]) for row in r["rows"] if row[0] in measured
              for i in (1, 3)]  # fmt: skip
     return bool(pairs) and all(abs(m - p) <= 0.1 * max(p, 1.0) for m, p in pairs)
 

@@ -80,7 +80,7 @@ def test_a_planted_deepspeed_checkpoint_stops_verify_export_and_the_resume(
 
 def sweep_args(tmp: Path) -> list[str]:
     raw = yaml.safe_load(SWEEP.read_text())
-    raw["tune"].update(num_samples=2, max_concurrent=1)
+    raw["tune"].update(num_samples=1, max_concurrent=1)  # one trial: its files are Tune's all
     raw["train"].update(max_epochs=1, log_every_n_steps=20)
     path = tmp / "sweep.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -126,12 +126,12 @@ def test_a_resumed_sweep_never_unpickles_what_tune_saved(
     folder = in_tmp / "runs" / "hostile-sweep"
     payloads = iter([armed(p, marks) for p in PAYLOADS] * 4)
     planted = plant_sweep(folder, payloads)
-    assert {"tuner.pkl"} < set(planted) and len(planted) >= 5, planted
+    assert {"tuner.pkl"} < set(planted) and len(planted) >= 4, planted
     assert cli_main(args) == 0
     again = capsys.readouterr()
     assert "resuming" in again.out + again.err
     table = [line for line in first.splitlines() if re.match(r"[0-9a-f]{5}_\d{5} ", line)]
-    assert len(table) == 2 and table == [
+    assert len(table) == 1 and table == [
         line for line in again.out.splitlines() if re.match(r"[0-9a-f]{5}_\d{5} ", line)
     ], again.out
     assert not markers(marks)

@@ -103,7 +103,7 @@ def test_tensor_parallel_over_each_node_divides_what_its_plan_splits() -> None:
 def test_a_70b_llama_on_4_nodes_of_8_is_split_within_each_node(tmp_path: Path) -> None:
     """Llama 3 70B's shape at 4096 tokens, bf16-mixed, on 4 nodes of 8 x 80 GB: HSDP's
     states do not fit; tensor parallel over each node, sharded over the nodes, does (with
-    activation checkpointing) and sends far less across nodes than sharding over all 32."""
+    activation checkpointing) and sends less across nodes than sharding over all 32."""
     shape = {
         "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
         "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
@@ -123,4 +123,5 @@ def test_a_70b_llama_on_4_nodes_of_8_is_split_within_each_node(tmp_path: Path) -
     assert rows["fsdp"].states > plan.budget  # HSDP: a node's 8 cannot hold the states
     assert plan.choice is rows["fsdp-tp"] and plan.checkpointing
     assert plan.choice.strategy == {"name": "fsdp", "dp_replicate": 1, "tp": 8}
-    assert rows["fsdp-tp"].across < rows["fsdp-full"].across / 8
+    # Its gathers across nodes are of its slice, once for each of its group's 8 pieces.
+    assert rows["fsdp-tp"].across < rows["fsdp-full"].across

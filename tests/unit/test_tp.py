@@ -105,21 +105,28 @@ def test_hsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:
     assert diff <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def saved_under_tp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """30 steps under shard 2 x tp 2, a checkpoint every 5: the run the resumes go on from."""
+    root = tmp_path_factory.mktemp("tp-run")
+    cfg = gpt(TP, checkpoint={"every_n_steps": 5})
+    run_ranks(WORLD, root, train_keep_checkpoints, cfg, str(root / "full"))
+    return root / "full"
+
+
 @pytest.mark.parametrize(
     "resumed, world",
     [({"name": "fsdp"}, 2), ({"name": "ddp"}, 2), ({"name": "fsdp", "tp": 2}, WORLD)],
     ids=["tp2-to-tp1", "tp2-to-ddp", "tp2-to-tp2"],
 )
 def test_a_tp_checkpoint_resumes_under_another_mesh(
-    tmp_path: Path, resumed: dict, world: int
+    saved_under_tp: Path, tmp_path: Path, resumed: dict, world: int
 ) -> None:
     """Saved under shard 2 x tp 2, resumed at step 15 without tensor parallel (on fewer
-    ranks, accumulating what the others did): the uninterrupted curve goes on within 1e-6,
-    from exactly the saved weights."""
-    cfg = gpt(TP, checkpoint={"every_n_steps": 5})
-    run_ranks(WORLD, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "full"))
-    full = torch.load(tmp_path / "full" / "loss.pt", weights_only=True)
-    ckpt = tmp_path / "full" / "checkpoint-step00000015"
+    ranks, accumulating what the others did) and with it: the uninterrupted curve goes on
+    within 1e-6, from exactly the saved weights."""
+    full = torch.load(saved_under_tp / "loss.pt", weights_only=True)
+    ckpt = saved_under_tp / "checkpoint-step00000015"
     exported = consolidated_state_dict(ckpt)
     accum = {**GPT_SMALL["train"], "grad_accum": WORLD // world}
     again = gpt(resumed, checkpoint={"every_n_steps": 5}, train=accum)

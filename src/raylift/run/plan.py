@@ -455,7 +455,8 @@ def predicted_wire(
     passes = 2 if cfg.strategy.reshard_after_forward else 1
     gathered = (split.blocks - sliced) * mixed * passes + split.root * width
     reduced = (split.trainable - sliced) * (4 if precision.autocast_dtype else width)
-    in_shard = accum * gathered * _ring(shard) + reduced * _ring(shard, scatter)
+    # A tensor-parallel rank runs forward and backward once for each rank of its group.
+    in_shard = accum * tp * gathered * _ring(shard) + reduced * _ring(shard, scatter)
     in_replicas = reduced / shard * _ring(replicas, 2.0)
     if tp > 1:  # the group's collectives stay within the node; the shards span nodes
         within = tp_activations(cfg, split, tp)

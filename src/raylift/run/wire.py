@@ -59,7 +59,9 @@ def sent(kind: str, group: int, inputs: int, outputs: int) -> float:
     if kind == "all_reduce":
         return 2 * share * inputs
     if kind == "all_gather":
-        return share * outputs
+        # Each rank sends its input to the g-1 others. Not read from the outputs: the
+        # recorder gives the list form's (DTensor's gathers on gloo) as one rank's tensor.
+        return (group - 1) * inputs
     if kind in ("reduce_scatter", "all_to_all", "broadcast"):
         return share * inputs
     return float(inputs) if kind == "send" else 0.0

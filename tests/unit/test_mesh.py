@@ -49,7 +49,9 @@ def test_tensor_parallel_within_each_node() -> None:
     mesh = resolve(strategy(tp=2), ["a"] * 4 + ["b"] * 4)
     assert (mesh.replicate, mesh.shard, mesh.tp) == (2, 2, 2)
     assert mesh.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert mesh.line() == "mesh: replicate 2 (nodes) x shard 2 (workers per node) x tp 2"
+    assert mesh.line() == (
+        "mesh: replicate 2 (nodes) x shard 2 (workers per node) x tp 2 (within a node)"
+    )
 
 
 def test_uneven_placement_falls_back_to_full_sharding_and_says_why() -> None:

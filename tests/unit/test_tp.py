@@ -54,7 +54,8 @@ def test_fsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:
     table = {name: worst(got[name]["loss"], ref) for name in runs if name != "ddp"}
     print(table)
     assert all(v <= TOLERANCE for v in table.values()), table
-    assert got["fsdp-tp"]["layout"] == "mesh: replicate 1 x shard 2 (within a node) x tp 2"
+    layout = "mesh: replicate 1 x shard 2 (within a node) x tp 2 (within a node)"
+    assert got["fsdp-tp"]["layout"] == layout
 
 
 def test_fsdp_tp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -80,7 +81,7 @@ def test_fsdp_tp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory
         curves[name] = torch.load(root / "train.pt", weights_only=True)
     table = {run: worst(curves["tp"][run]["loss"], curves["ddp"][run]["loss"]) for run in zoo}
     print(table)
-    assert all(curves["tp"][run]["layout"].endswith("x tp 2") for run in zoo)
+    assert all(curves["tp"][run]["layout"].endswith("x tp 2 (within a node)") for run in zoo)
     assert all(v <= TOLERANCE for v in table.values()), table
     for run, cfg in configs["tp"].items():
         export_and_reload(run, cfg, roots["tp"], curves["tp"][run]["logits"])
@@ -98,7 +99,7 @@ def test_hsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:
     }
     run_ranks(8, tmp_path, train_runs, runs, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    layout = "mesh: replicate 2 (within a node) x shard 2 (within a node) x tp 2"
+    layout = "mesh: replicate 2 (within a node) x shard 2 (within a node) x tp 2 (within a node)"
     assert got["hsdp-tp"]["layout"] == layout  # one host: every dimension within it
     diff = worst(got["hsdp-tp"]["loss"], got["ddp"]["loss"])
     print({"hsdp-tp": diff})

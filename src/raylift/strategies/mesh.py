@@ -75,7 +75,8 @@ class Mesh:
         by_node = per_node and not self.crosses_nodes("shard") and not self.crosses_nodes("tp")
         rep = "(nodes)" if self.hsdp and by_node else self._where("replicate")
         shard = "(workers per node)" if self.hsdp and by_node else self._where("shard")
-        text = f"mesh: replicate {self.replicate} {rep} x shard {self.shard} {shard} x tp {self.tp}"
+        tp = f"tp {self.tp} {self._where('tp')}".rstrip()
+        text = f"mesh: replicate {self.replicate} {rep} x shard {self.shard} {shard} x {tp}"
         return text.replace("  ", " ") + (f"; {self.note}" if self.note else "")
 
     def _where(self, dim: str) -> str:

@@ -7,7 +7,6 @@ a checkpoint saved under TP 2 resumed under TP 1 and under DDP, and what is refu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,23 +21,11 @@ from tests.helpers import (
     train_keep_checkpoints,
     train_runs,
 )
+from tests.unit.test_hsdp import THIRTY, TOLERANCE, WORLD, gpt, worst
 
 pytestmark = pytest.mark.slow
 
-WORLD = 4
 TP = {"name": "fsdp", "tp": 2}  # shard 2 x tp 2 on one host
-TOLERANCE = 1e-5
-THIRTY = {"max_steps": 30, "max_epochs": 100}
-
-
-def gpt(strategy: dict[str, Any], **more: Any) -> dict[str, Any]:
-    cfg = merge(GPT_SMALL, {"strategy": strategy, "precision": "32", **more})
-    return make_config(**cfg).to_dict()
-
-
-def worst(curve: dict[int, float], ref: dict[int, float]) -> float:
-    assert sorted(curve) == sorted(ref) == list(range(1, 31))
-    return max(abs(curve[s] - v) / abs(v) for s, v in ref.items())
 
 
 def test_fsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raylift.core.config import AUTO, Config, ConfigError
+from raylift.core.config import AUTO, Config
 from raylift.strategies.base import TorchEngine, apply_activation_checkpointing, read_dcp_model
 from raylift.strategies.mesh import Mesh, node_of_ranks, resolve
 from raylift.strategies.mesh import problems as mesh_problems
@@ -109,8 +109,6 @@ def build_fsdp(
     root = layout.device_mesh(device.type)
     mesh = fsdp_mesh(layout, root)
     if layout.tp > 1:  # split first: FSDP then shards each slice over the other dimensions
-        if cfg.model.adapter.type:
-            raise ConfigError(ADAPTER_TP)
         plan = parts.tp_plan(model)
         if plan is None:
             raise refuse_without_plan(model)

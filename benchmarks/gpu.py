@@ -1,7 +1,7 @@
 """One call that measures a GPU machine: the GPU tests, GPT-2-small through Ray, LoRA
 against a full fine-tune of a 1B Llama, checkpoints at GPU speed, ``raylift check``.
 
-    python benchmarks/gpu.py            # a machine with CUDA GPUs: 8 minutes or less on one H100
+    python benchmarks/gpu.py            # a machine with CUDA GPUs: 9 minutes or less on one H200
     python benchmarks/gpu.py --smoke    # every part at toy sizes on this CPU, a few minutes
 
 Each part runs in processes of its own, on a GPU under its own time budget (the machine's
@@ -96,9 +96,11 @@ LLAMA_TOY = {
     "max_position_embeddings": 128,
 }
 LORA = "model.adapter={type: lora, r: 16, alpha: 32, target_modules: all-linear}"
-# Seconds each part may take on one H100. The pipeline has what is left of --total (8
-# minutes by default) once the others are done.
-BUDGETS = {"tests": 45, "gpt2": 140, "llama": 150, "checkpoints": 120, "check": 20, "pipeline": 0}
+# Seconds each part may take. On one H200 (torch 2.11): the GPU tests took 29-34 s;
+# raylift's GPT-2 run 90 s (40 s of it compiling), which left the hand-written loop too
+# little of 140; the 1B Llama's full fine-tune was still training at 150. The pipeline
+# has what is left of --total once the others are done.
+BUDGETS = {"tests": 40, "gpt2": 170, "llama": 200, "checkpoints": 100, "check": 20, "pipeline": 0}
 PIPELINE_TOY = ["--images", "90", "--source-size", "32", "--size", "16", "--epochs", "2",
                 "--target", "0.0"]  # fmt: skip
 
@@ -237,7 +239,10 @@ def part_gpt2(b: Bench) -> dict[str, Any]:
         "checkpoint.every_n_steps=null",
     )
     step_s = steady(run, "step_time_s")
-    hand = hand_written_step(b)
+    try:
+        hand = hand_written_step(b)
+    except OutOfTime:  # raylift's numbers stand; the baseline is reported as missing
+        hand = float("nan")
     mem, where = peak_memory(run)
     return {
         "tokens_per_s": steady(run, "tokens_per_s"),
@@ -531,7 +536,9 @@ def summary(results: dict[str, Any]) -> dict[str, str]:
         "what": "GPT-2-small through raylift train, bf16, compiled: step time, MFU",
         "raylift": f"{gpt['step_ms']:.1f} ms/step, {gpt['tokens_per_s']:,.0f} tok/s, "
         f"MFU {gpt['mfu']:.1%}",
-        "baseline": f"{gpt['hand_written_step_ms']:.1f} ms/step (hand-written loop)",
+        "baseline": f"{gpt['hand_written_step_ms']:.1f} ms/step (hand-written loop)"
+        if gpt["hand_written_step_ms"] == gpt["hand_written_step_ms"]
+        else "hand-written loop: out of time",
         "ratio": f"{gpt['ratio_to_hand_written']:.3f}",
     }
 
@@ -541,7 +548,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="toy sizes on a CPU; saves nothing")
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated, in order")
     parser.add_argument("--out", type=Path, help="the JSON file (default: benchmarks/results)")
-    parser.add_argument("--total", type=float, default=480, help="seconds for the whole call")
+    parser.add_argument("--total", type=float, default=540, help="seconds for the whole call")
     opts = parser.parse_args()
     began = time.monotonic()
     gpus, name = device()

@@ -129,7 +129,9 @@ class DCPState:
         model_sd, optim_sd = self._state()
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         if not copy:
-            return written(_starts(folder, dcp.save(state, checkpoint_id=str(folder))))
+            writer = _recording_writer(folder)
+            dcp.save(state, storage_writer=writer)
+            return written(_starts(folder, writer.written))
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         # Plain host memory: pinned buffers would copy faster from a GPU, but pinning
@@ -143,7 +145,9 @@ class DCPState:
 
         def write() -> dict[str, list[int]]:
             # DCP's planning is collective: on its own group, beside the loop's traffic.
-            return _starts(folder, dcp.save(staged, checkpoint_id=str(folder), process_group=group))
+            writer = _recording_writer(folder)
+            dcp.save(staged, storage_writer=writer, process_group=group)
+            return _starts(folder, writer.written)
 
         return write
 
@@ -178,13 +182,31 @@ class DCPState:
         )
 
 
-def _starts(folder: Path, metadata: Any) -> dict[str, list[int]]:
-    """Where each item DCP wrote starts, by file: every rank gets where every item went;
-    each lists the files it wrote itself."""
+def _recording_writer(folder: Path) -> Any:
+    """DCP's file writer, keeping the results of this rank's own writes: where each item
+    it wrote starts. (The Metadata ``dcp.save`` returns is no source: under torch 2.11,
+    on a GPU machine, its ``storage_data`` was None.)"""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Recording(FileSystemWriter):
+        written: list[Any]
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            done = super().write_data(plan, planner)
+            self.written = done.wait()
+            return done
+
+    writer = Recording(folder)
+    writer.written = []
+    return writer
+
+
+def _starts(folder: Path, results: list[Any]) -> dict[str, list[int]]:
+    """Where each item this rank wrote starts, by file."""
     starts: dict[str, list[int]] = {}
-    for info in metadata.storage_data.values():
-        if (folder / info.relative_path).is_file():
-            starts.setdefault(f"{folder.name}/{info.relative_path}", []).append(info.offset)
+    for result in results:
+        info = result.storage_data
+        starts.setdefault(f"{folder.name}/{info.relative_path}", []).append(info.offset)
     return starts
 
 

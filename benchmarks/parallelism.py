@@ -10,7 +10,8 @@ as the drain test starts them), two workers on each (two CPUs a node; on a machi
 default, as benchmarks/checkpoint_io.py), fp32, ``raylift train`` for ``--steps`` steps
 under DDP, FSDP sharded over all four workers (``fsdp-full``), HSDP (``fsdp`` with the
 mesh ``auto``: shard within each node, replicate across the two), tensor parallel over
-each node's two workers sharded over the nodes (``fsdp-tp``) and DeepSpeed ZeRO-3.
+each node's two workers sharded over the nodes (``fsdp-tp``) and DeepSpeed ZeRO-3, with hpZ
+(``zero3``: backward gathers within each node) and without (``zero3-flat``).
 
 The bytes are those raylift logs to MLflow (``wire/*``: one step's collectives, read
 from torch's Flight Recorder); the prediction is ``raylift plan --gpus 4 --nodes 2``'s.
@@ -43,9 +44,13 @@ LAYOUTS = {
     "fsdp": ["strategy.name=fsdp"],  # HSDP from the placement
     # Tensor parallel over each node's 2 workers, sharded over the 2 nodes.
     "fsdp-tp": ["strategy.name=fsdp", "strategy.dp_replicate=1", "strategy.tp=2"],
+    # ZeRO-3 over all four, its backward gathers within each node from hpZ's partition
+    # (strategy.hpz: auto), and without it.
     "zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
+    "zero3-flat": ["strategy.name=deepspeed", "strategy.zero_stage=3", "strategy.hpz=false"],
 }
 MiB = 2**20
+ROWS = ("ddp", "fsdp-full", "fsdp", "fsdp-tp", "zero3")  # raylift plan's labels
 
 
 def gpus() -> int:
@@ -96,7 +101,10 @@ def predicted(extra: list[str]) -> dict[str, tuple[float, float]]:
 
     cfg = load_config(CONFIG, ["precision=32", "data.batch_size=4", *extra])
     split = param_split(cfg)
-    return {label: predicted_wire(cfg, label, 4, 2, split) for label in LAYOUTS}
+    plan = {label: predicted_wire(cfg, label, 4, 2, split) for label in LAYOUTS if label in ROWS}
+    # Without hpZ every ZeRO-3 collective spans both nodes: all of one node's traffic, across.
+    plan["zero3-flat"] = (0.0, sum(predicted_wire(cfg, "zero3", 4, 1, split)))
+    return plan
 
 
 def main() -> None:
@@ -144,7 +152,7 @@ def report(args: Any, results: dict, plan: dict, consoles: dict) -> None:
         summary.update(raylift=f"{by['fsdp'][3]} MiB", baseline=f"{by['fsdp-full'][3]} MiB",
                        ratio=f"{ratio:.1f}x less")  # fmt: skip
     worst = max(
-        (abs(r[i] - r[i + 1]) / r[i + 1] for r in rows if r[0] != "zero3"
+        (abs(r[i] - r[i + 1]) / r[i + 1] for r in rows if not r[0].startswith("zero3")
          for i in (1, 3) if r[i + 1]), default=0.0,
     )  # fmt: skip
     notes = (

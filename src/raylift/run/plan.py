@@ -223,7 +223,8 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Pla
             per_sample * batch,
             per_sample_ckpt * batch,
             refusals(cfg, row, gpus, per_node) + split.tp.problems(per_node, row),
-            row.block_buffers * block // (per_node if row.tp_per_node else 1),
+            row.block_buffers * block // (per_node if row.tp_per_node else 1)
+            + secondary_partition(row, cfg, n_params, nodes, per_node),
             *predicted_wire(cfg, row.label, gpus, nodes, split),
         )
         for row in plan_rows()
@@ -247,6 +248,19 @@ def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Pla
             accum = cfg.train.grad_accum * -(-batch // micro)
             return done(row, True, int(micro), accum)
     return done(None, True, 0, 0)
+
+
+def secondary_partition(row: PlanRow, cfg: Config, n_params: int, nodes: int, per_node: int) -> int:
+    """hpZ's partition of the weights over a node's workers, on the device from forward to
+    the step (in host memory where the parameters are offloaded)."""
+    if not hpz_spans(row, nodes, per_node) or row.offload:
+        return 0
+    return n_params * planned_precision(cfg).param_dtype.itemsize // per_node
+
+
+def hpz_spans(row: PlanRow, nodes: int, per_node: int) -> bool:
+    """Whether ``row`` runs with hpZ: ZeRO-3 over several nodes of several workers."""
+    return row.hpz and nodes > 1 and per_node > 1
 
 
 def plan_strategy(cfg: Config, world: int, device_mem_bytes: int) -> StrategyConfig:
@@ -320,6 +334,11 @@ def wire_lines(plan: Plan, gpus: int) -> list[str]:
             f"fsdp: sharded within each node and replicated across the {plan.nodes} (HSDP); "
             f"fsdp-full: sharded over all {gpus} workers"
         )
+        if gpus > plan.nodes:
+            lines.append(
+                "zero3: with hpZ (strategy.hpz: auto), backward gathers from a second "
+                "partition within each node"
+            )
     return lines
 
 
@@ -458,6 +477,10 @@ def predicted_wire(
     # A tensor-parallel rank runs forward and backward once for each rank of its group.
     in_shard = accum * tp * gathered * _ring(shard) + reduced * _ring(shard, scatter)
     in_replicas = reduced / shard * _ring(replicas, 2.0)
+    if hpz_spans(row, nodes, gpus // nodes):  # backward's gather from the node's partition
+        backward = accum * (passes - 1) * split.blocks * mixed
+        within = backward * _ring(gpus // nodes)
+        return within, in_shard + in_replicas - backward * _ring(gpus)
     if tp > 1:  # the group's collectives stay within the node; the shards span nodes
         within = tp_activations(cfg, split, tp)
         return (within + in_shard, 0.0) if nodes == 1 else (within, in_shard)

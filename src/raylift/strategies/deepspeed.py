@@ -36,8 +36,8 @@ from raylift.strategies.base import (
     with_frozen,
     written,
 )
-from raylift.strategies.deepspeed_config import ds_config, problems, sized_buckets
-from raylift.strategies.mesh import DataView
+from raylift.strategies.deepspeed_config import ds_config, hpz_size, problems, sized_buckets
+from raylift.strategies.mesh import DataView, node_of_ranks
 from raylift.strategies.registry import Parts, PlanRow, Shards, StrategySpec
 from raylift.strategies.zero_files import (
     ENGINE_DIR,
@@ -113,7 +113,8 @@ def build_deepspeed(
     parts: Parts,
     init: Initializer,
 ) -> DeepSpeedEngine:
-    config = ds_config(cfg, precision)  # its problems before the slow import
+    hpz, layout = hierarchy(cfg)
+    config = ds_config(cfg, precision, hpz)  # its problems before the slow import
     deepspeed = ready_deepspeed(device)
     init(write_zero3 if cfg.strategy.zero_stage == 3 else write_in_place)
     buckets = {"zero_optimization": sized_buckets(model, parts.blocks, cfg.strategy.zero_stage)}
@@ -136,7 +137,17 @@ def build_deepspeed(
     )
     if not (cfg.strategy.offload or cfg.strategy.offload_optimizer):
         share_fp32_master(ds_engine.optimizer)
-    return DeepSpeedEngine(ds_engine, optimizer, precision, cfg.train.grad_clip)
+    engine = DeepSpeedEngine(ds_engine, optimizer, precision, cfg.train.grad_clip)
+    engine.layout = layout
+    return engine
+
+
+def hierarchy(cfg: Config) -> tuple[int, str]:
+    """ZeRO-3's hpZ partition size over the nodes Ray placed the ranks on, and the line
+    that says so (collective at stage 3: every rank asks)."""
+    if cfg.strategy.zero_stage != 3 or cfg.strategy.hpz is False:
+        return 1, ""
+    return hpz_size(cfg, node_of_ranks())
 
 
 def share_fp32_master(optimizer: Any) -> None:
@@ -184,8 +195,9 @@ def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
     whole model (``deepspeed.zero.Init``); other stages build it whole."""
     if cfg.strategy.zero_stage != 3:
         return contextlib.nullcontext()
-    config = ds_config(cfg, precision)
+    config = ds_config(cfg, precision, hierarchy(cfg)[0])
     deepspeed = ready_deepspeed(device)
+    forget_hpz_group()
     # zero.Init replaces torch.Tensor.__new__ while inside; torch._dynamo, imported for the
     # first time there (transformers imports it with its models, often inside a task's
     # build_model), checks that signature and refuses to load. Imported first, it loads.
@@ -193,6 +205,16 @@ def create(cfg: Config, precision: Precision, device: torch.device) -> Any:
 
     offload = config["zero_optimization"].get("offload_param", {}).get("device") == "cpu"
     return deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu" if offload else None)
+
+
+def forget_hpz_group() -> None:
+    """DeepSpeed keeps hpZ's node group in a module global, refuses to make a second
+    one and hands the first to every later ZeRO-3 engine: a process that builds another
+    (a restart in the same worker, a second run) starts from none. Reset only on the
+    world's teardown otherwise; pinned to deepspeed<0.20 (test_library_private)."""
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
 
 
 def ready_deepspeed(device: torch.device) -> Any:
@@ -371,8 +393,9 @@ class DeepSpeedEngine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of the storage this rank holds, each buffer counted once, in ZeRO's terms.
 
-        ``params``: the module's weights (its partition ``ds_tensor`` at stage 3, plus any
-        parameters ZeRO-3 keeps whole). ``grads``: the most gradient storage held after
+        ``params``: the module's weights (its partition ``ds_tensor`` at stage 3, hpZ's
+        partition within the node where it has one, plus any parameters ZeRO-3 keeps
+        whole). ``grads``: the most gradient storage held after
         any backward so far. ``optimizer``: the optimizer's state plus DeepSpeed's fp32
         master partition, which ZeRO counts as optimizer state and shards with it (from
         stage 1 DeepSpeed keeps one even when training in fp32).
@@ -380,6 +403,8 @@ class DeepSpeedEngine:
         weights: dict[bool, list[Any]] = {True: [], False: []}
         for p in self._module_params():
             weights[p.requires_grad].append(getattr(p, "ds_tensor", None))
+            # hpZ's partition within the node, beside the one over all ranks.
+            weights[p.requires_grad].append(getattr(p, "ds_secondary_tensor", None))
             # Empty at stage 3 unless DeepSpeed keeps it gathered.
             weights[p.requires_grad].append(p.data)
         seen: set[int] = set()
@@ -559,13 +584,14 @@ def _zero_row(
         offload=offload,
         block_buffers=buffers,
         gathers=stage == 3,
+        hpz=stage == 3,  # strategy.hpz: auto
     )
 
 
 SPEC = StrategySpec(
     name=NAME,
     state_format=NAME,
-    options=("zero_stage", "offload", "offload_optimizer", "offload_param", "config"),
+    options=("zero_stage", "offload", "offload_optimizer", "offload_param", "hpz", "config"),
     problems=problems,
     build=build_deepspeed,
     read_export=read_export,

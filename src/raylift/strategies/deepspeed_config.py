@@ -4,6 +4,7 @@ merged last. Also the checks of those options that need the whole config."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,13 @@ def problems(cfg: Config) -> list[str]:
         ]
     if s.offload_param and s.zero_stage != 3:
         out.append("strategy.offload_param: needs strategy.zero_stage: 3")
+    if not (s.hpz == AUTO or isinstance(s.hpz, bool)):
+        out.append(f"strategy.hpz: true, false or auto, got {s.hpz!r}")
+    elif s.hpz is True and s.zero_stage != 3:
+        out.append(
+            "strategy.hpz: hierarchical partitioning splits ZeRO-3's parameters; "
+            "set strategy.zero_stage: 3, or remove strategy.hpz"
+        )
     precision = PRECISIONS.get(cfg.precision)
     # auto may pick an unscaled precision; an unknown name is the config's to report.
     scaled = precision.use_scaler if precision else cfg.precision != AUTO
@@ -106,13 +114,17 @@ def sized_buckets(model: nn.Module, blocks: list[nn.Module], stage: int) -> dict
     return {k: max(1, min(v, BUCKET_DEFAULTS[k])) for k, v in sizes.items()}
 
 
-def ds_config(cfg: Config, precision: Precision) -> dict[str, Any]:
-    """DeepSpeed's config from raylift's; keys under ``strategy.config`` are merged last and win."""
+def ds_config(cfg: Config, precision: Precision, hpz: int = 1) -> dict[str, Any]:
+    """DeepSpeed's config from raylift's, with ``hpz`` ranks to a secondary partition
+    (:func:`hpz_size`); keys under ``strategy.config`` are merged last and win."""
+    zero = zero_config(cfg)
+    if hpz > 1:
+        zero["zero_hpz_partition_size"] = hpz
     base: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.data.batch_size,
         "gradient_accumulation_steps": cfg.train.grad_accum,
         "gradient_clipping": cfg.train.grad_clip or 0.0,
-        "zero_optimization": zero_config(cfg),
+        "zero_optimization": zero,
         # raylift's torch optimizer, also under offload (no JIT-compiled CPUAdam).
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
@@ -120,3 +132,42 @@ def ds_config(cfg: Config, precision: Precision) -> dict[str, Any]:
         **precision_config(precision),
     }
     return merge(base, cfg.strategy.config)
+
+
+def hpz_size(cfg: Config, nodes: Sequence[str]) -> tuple[int, str]:
+    """ZeRO++'s hierarchical partitioning for a run on ``nodes`` (the node of each rank):
+    the ranks of a secondary partition, and the run's line about it ("" where none).
+
+    ZeRO-3 gathers every block twice a step, for forward and again for backward, over
+    all ranks. With hpZ each rank also keeps a partition of the weights over its node's
+    workers, written from forward's gather: backward then gathers within the node, and
+    only forward's gather and the gradients' reduce-scatter cross nodes. DeepSpeed groups
+    consecutive ranks, so it needs each node's ranks numbered together, the same number
+    on every node; where Ray placed them otherwise, ZeRO-3 runs without it, and says why.
+    """
+    from raylift.strategies.mesh import by_node, counts
+
+    s = cfg.strategy
+    if (
+        s.zero_stage != 3
+        or s.hpz is False
+        or "zero_hpz_partition_size" in s.config.get("zero_optimization", {})
+    ):
+        return 1, ""
+    per_node = counts(nodes)
+    if len(per_node) == 1:
+        return 1, "hpz: off, the run is on one node" if s.hpz is True else ""
+    if len(set(per_node)) > 1 or by_node(nodes) != tuple(range(len(nodes))):
+        placed = ", ".join(f"{n} on node {i + 1}" for i, n in enumerate(per_node))
+        return 1, (
+            f"hpz: off: Ray placed the workers {placed}, with ranks "
+            f"{'unevenly' if len(set(per_node)) > 1 else 'interleaved across nodes'}, and "
+            "DeepSpeed partitions consecutive ranks; ZeRO-3 gathers over all of them"
+        )
+    size = per_node[0]
+    if size == 1:  # a node's partition of one rank is the whole model: plain ZeRO-3
+        return 1, ""
+    return size, (
+        f"hpz {size}: a second partition of the weights within each node; backward "
+        "gathers there, forward and the gradients' reduce-scatter span the nodes"
+    )

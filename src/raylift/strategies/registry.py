@@ -80,6 +80,9 @@ class PlanRow:
     # Tensor parallel over each node's workers (its ``tp`` is TP_PER_NODE, filled in by
     # the plan), sharded over the nodes.
     tp_per_node: bool = False
+    # ZeRO-3's hpZ where the run spans nodes: a second partition of the weights within each
+    # node, from forward's gather to the step; backward gathers from it, within the node.
+    hpz: bool = False
 
 
 # A plan row's ``tp``: the workers per node of the run planned. No config has it (tp >= 1),

@@ -134,8 +134,7 @@ class StrategyConfig:
     offload: bool = False  # deepspeed: shorthand for offload_optimizer (+ offload_param at 3)
     offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU
     offload_param: bool = False  # deepspeed, stage 3: parameters in host memory
-    # deepspeed, stage 3: ZeRO++ hierarchical partitioning (hpZ), a second partition of the
-    # weights within each node for backward's gathers (auto: on where the run spans nodes)
+    # deepspeed, stage 3: ZeRO++ hpZ, backward gathers within a node (auto: across nodes)
     hpz: bool | str = AUTO
     # deepspeed: raw DeepSpeed keys, merged last (they win)
     config: dict[str, Any] = dataclasses.field(default_factory=dict)

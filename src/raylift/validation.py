@@ -7,10 +7,12 @@ none of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from raylift.core import hub
 from raylift.core.config import AUTO, Config, ConfigError, build_config, read_config
 from raylift.strategies import REGISTRY, config_problems
 from raylift.tasks import task_problems
@@ -41,3 +43,24 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     """Load ``path``, apply ``key=value`` overrides and validate; raises :class:`ConfigError`."""
     return config_from_dict(read_config(path, overrides))
+
+
+# The built-in tasks whose ``task_args.model`` may name a Hugging Face Hub model.
+HUB_TASKS = ("hf-causal-lm", "hf-sft")
+
+
+def pin_hub_names(cfg: Config) -> tuple[Config, str]:
+    """``cfg`` with a Hub ``task_args.model`` pinned to the commit its revision names now,
+    so that every process of the run reads that one; and the line that says so ("" where
+    nothing was pinned). Raises :class:`ConfigError` with the Hub's refusal."""
+    model = cfg.task_args.get("model")
+    ref = hub.parse(model) if cfg.task in HUB_TASKS and isinstance(model, str) else None
+    if ref is None:
+        return cfg, ""
+    try:
+        pinned = hub.pin(ref, "task_args.model")
+    except hub.HubError as exc:
+        raise ConfigError([str(exc)]) from None
+    args = {**cfg.task_args, "model": str(pinned)}
+    line = f"raylift: task_args.model {ref} is the Hub's commit {pinned.revision}"
+    return dataclasses.replace(cfg, task_args=args), line

@@ -165,6 +165,10 @@ def open_uri(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     scheme, rest = path.split("://", 1)
     if scheme == "file" or "?" in rest:  # a local path; options only pyarrow reads
         return pafs.FileSystem.from_uri(path)
+    if scheme == "hf":  # the Hugging Face Hub: huggingface_hub's filesystem, its retries
+        from raylift.core import hub
+
+        return pafs.PyFileSystem(pafs.FSSpecHandler(hub.filesystem())), rest.rstrip("/")
     bucket, _, key = rest.partition("/")
     where = f"{bucket.rpartition('@')[2]}/{key}".rstrip("/")
     if scheme != "s3":

@@ -46,6 +46,7 @@ from raylift.tasks import build_task
 from raylift.tensors.checkpoints import checkpoint_dirs
 from raylift.tensors.preflight import check_for_config
 from raylift.tensors.weights import absolute as weights_absolute
+from raylift.validation import pin_hub_names
 
 
 class RunFailed(RuntimeError):
@@ -252,6 +253,9 @@ def _train(
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     if service is None and (problem := tracking.server_problem(uri)):
         raise EnvironmentProblem(problem)
+    cfg, pinned = pin_hub_names(cfg)  # one commit for every process, this run's record
+    if pinned:
+        log(pinned)
     manifest, cache = prepare_data(cfg, log, startup)
     # Workers run in folders of their own: they get the paths this driver resolved.
     adapter = dataclasses.replace(

@@ -71,7 +71,9 @@ def task_problems(spec: str, task_args: dict[str, Any]) -> list[str]:
         ]
         if unknown:
             return unknown
-    try:  # the task's own checks of its arguments (constructors do no I/O)
+    # The task's own checks of its arguments. Constructors read no data; a Hugging Face
+    # task reads its model's config and tokenizer (from the Hub, for a Hub ID).
+    try:
         cls(**task_args)
     except ValueError as exc:
         return [str(exc)]

@@ -1,10 +1,11 @@
 """A Hugging Face causal language model (``task: hf-causal-lm``; ``pip install 'raylift[hf]'``).
 
 ``task_args.model`` is a local folder as ``save_pretrained`` writes it (``config.json``,
-safetensors weights, optionally a tokenizer), or an inline config for training from
-scratch (``{model_type: llama, hidden_size: 256, num_hidden_layers: 4, ...}``, the
-keyword arguments of ``AutoConfig.for_model``). Nothing is downloaded: a name that
-would need the Hub is refused, saying to pass a local folder.
+safetensors weights, optionally a tokenizer), a Hugging Face Hub ID (``org/name``,
+``org/name@revision``: its config and tokenizer fetched into the Hugging Face cache, its
+weights read from the Hub at the commit the driver pinned, :mod:`raylift.core.hub`), or
+an inline config for training from scratch (``{model_type: llama, hidden_size: 256,
+num_hidden_layers: 4, ...}``, the keyword arguments of ``AutoConfig.for_model``).
 
 The folder's weights are the run's initial weights (``model.weights``, when set,
 wins). Text comes from the ``gpt`` task's corpus reader (``corpus``, ``text_field``,
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylift.core import hub, storage
 from raylift.tasks.base import Batch, Columns, hf_plan
 from raylift.tasks.gpt import GPTTask, documents, windows
 from raylift.tensors.weights import INDEX, SINGLE
@@ -67,7 +69,8 @@ class HFCausalLM(GPTTask):
             text_field=text_field,
         )
         tf = _transformers()
-        self.folder: str | None = None
+        self.folder: str | None = None  # config and tokenizer, on this machine
+        self.hub: hub.HubRef | None = None  # the Hub commit the weights are read from
         self.tokenizer: Any = None
         if isinstance(model, dict):
             args = dict(model)
@@ -75,19 +78,17 @@ class HFCausalLM(GPTTask):
                 raise ValueError("task_args.model: an inline config needs model_type, e.g. llama")
             self.config = tf.AutoConfig.for_model(**args)
         elif model and Path(model).is_dir():
-            self.folder = str(Path(model).resolve())
-            self.config = tf.AutoConfig.from_pretrained(self.folder, local_files_only=True)
-            if any(
-                (Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
-            ):
-                self.tokenizer = tf.AutoTokenizer.from_pretrained(
-                    self.folder, local_files_only=True
-                )
+            self._from_folder(tf, str(Path(model).resolve()))
+        elif model and (ref := hub.parse(model)) is not None:
+            # The driver pinned it to a commit (pin_hub_names); a task built elsewhere
+            # (raylift validate, plan) pins it here.
+            self.hub = hub.pin(ref, "task_args.model")
+            self._from_folder(tf, hub.small_files(self.hub, "task_args.model"))
         else:
             raise ValueError(
-                f"task_args.model: {model!r} is not a local folder; raylift never downloads "
-                "at run time: fetch it once (huggingface-cli download NAME --local-dir DIR) "
-                "and pass DIR, or give an inline config {model_type: ..., ...}"
+                f"task_args.model: {model!r} is neither a local folder nor a Hugging Face "
+                "Hub ID (org/name, org/name@revision); give one of them, or an inline config "
+                "{model_type: ..., ...}"
             )
         # The model's module imported now, outside any deepspeed.zero.Init: classes
         # defined inside one get their __init__ wrapped, and unwrapped to the one they had
@@ -100,6 +101,12 @@ class HFCausalLM(GPTTask):
                 "tokenizer the tokens are bytes"
             )
 
+    def _from_folder(self, tf: Any, folder: str) -> None:
+        self.folder = folder
+        self.config = tf.AutoConfig.from_pretrained(folder, local_files_only=True)
+        if any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            self.tokenizer = tf.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
     def data_version(self) -> str:
         """The corpus's version and, where a tokenizer makes the tokens, a digest of its
         files' contents: a retrained vocabulary or new merges prepare the shards again."""
@@ -110,7 +117,12 @@ class HFCausalLM(GPTTask):
 
     @property
     def pretrained_weights(self) -> str | None:
-        """The folder, where it holds weights: the run's initial weights."""
+        """The folder, where it holds weights: the run's initial weights. A Hub model's
+        are read where they are, at its pinned commit (``hf://org/name@commit``)."""
+        if self.hub is not None:
+            sharded = self.folder and (Path(self.folder) / INDEX).is_file()
+            has = sharded or storage.is_file(self.hub.uri(SINGLE))
+            return self.hub.uri() if has else None
         if self.folder and any((Path(self.folder) / f).is_file() for f in (SINGLE, INDEX)):
             return self.folder
         return None

@@ -1,7 +1,7 @@
 """Supervised fine-tuning on instructions and conversations (``task: hf-sft``).
 
-``task_args.model`` is a local Hugging Face folder with its tokenizer, as for
-``hf-causal-lm``. ``task_args.data`` (a JSONL, JSON or parquet file, a folder or glob of
+``task_args.model`` is a local Hugging Face folder or a Hub ID, with its tokenizer, as
+for ``hf-causal-lm``. ``task_args.data`` (a JSONL, JSON or parquet file, a folder or glob of
 them, local or a URI) holds one example a row in a format ``task_args.format`` names or
 ``auto`` finds from each row's keys (:mod:`raylift.tasks.chat`). Prep renders each with
 the chat template (the tokenizer's, or ``task_args.chat_template``, a Jinja string or

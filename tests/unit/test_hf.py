@@ -47,13 +47,15 @@ def hf_config(**more: dict) -> dict:
     ).to_dict()
 
 
-def test_layers_are_found_and_hub_names_refused() -> None:
+def test_layers_are_found_and_a_model_neither_folder_nor_hub_id_refused() -> None:
     task = build_task("hf-causal-lm", TASK_ARGS)
     model = task.build_model()
     assert [type(b).__name__ for b in task.blocks(model)] == ["LlamaDecoderLayer"] * 2
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    with pytest.raises(ValueError, match=r"not a local folder.*never downloads"):
-        build_task("hf-causal-lm", {"model": "meta-llama/Llama-2-7b-hf"})
+    # Hub IDs: tests/unit/test_hub.py, against a Hub on 127.0.0.1.
+    for model_arg in ("./no/such/folder", "org/name/extra"):
+        with pytest.raises(ValueError, match=r"neither a local folder nor a Hugging Face Hub"):
+            build_task("hf-causal-lm", {"model": model_arg})
 
 
 @pytest.mark.slow

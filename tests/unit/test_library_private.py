@@ -243,6 +243,19 @@ def slices_as_distribute_tensor(rank: int, world: int) -> None:
         )
 
 
+def test_hpz_group_is_a_module_global_made_once(deepspeed: Any) -> None:
+    """DeepSpeed keeps hpZ's node group in ``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP`` and
+    refuses to make a second while it is set: raylift's forget_hpz_group resets it
+    before each ZeRO-3 build, so a second run in one process makes its own."""
+    import inspect
+
+    from deepspeed.utils import groups
+
+    assert hasattr(groups, "_ZERO_PARAM_INTRA_PARALLEL_GROUP")
+    made = inspect.getsource(groups._create_zero_param_parallel_group)
+    assert "_ZERO_PARAM_INTRA_PARALLEL_GROUP is None" in made
+
+
 def test_a_dtensors_shard_is_where_torchs_own_helper_says(tmp_path: Path) -> None:
     from torch.distributed.tensor import _utils
 
@@ -437,6 +450,7 @@ KNOWN: dict[str, set[str]] = {
         "_config",
         "_dynamo",
         "_link_all_hp_params",
+        "_ZERO_PARAM_INTRA_PARALLEL_GROUP",  # test_hpz_group_is_a_module_global_made_once
     },
     "strategies/zero_layout.py": {"_get_param_partition_group", "_hp_mapping"},
     "tasks/gpt.py": {"_init"},  # raylift's own GPT

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from raylift.core import hub
+
 if TYPE_CHECKING:
     import pyarrow.fs
 
@@ -166,8 +168,6 @@ def open_uri(path: str) -> tuple[pyarrow.fs.FileSystem, str]:
     if scheme == "file" or "?" in rest:  # a local path; options only pyarrow reads
         return pafs.FileSystem.from_uri(path)
     if scheme == "hf":  # the Hugging Face Hub: huggingface_hub's filesystem, its retries
-        from raylift.core import hub
-
         return pafs.PyFileSystem(pafs.FSSpecHandler(hub.filesystem())), rest.rstrip("/")
     bucket, _, key = rest.partition("/")
     where = f"{bucket.rpartition('@')[2]}/{key}".rstrip("/")

@@ -12,6 +12,7 @@ from torch import nn
 
 from raylift.core.config import AUTO, Config
 from raylift.core.parsing import merge
+from raylift.strategies.mesh import by_node, counts
 from raylift.tensors.precision import PRECISIONS, Precision
 
 
@@ -145,8 +146,6 @@ def hpz_size(cfg: Config, nodes: Sequence[str]) -> tuple[int, str]:
     consecutive ranks, so it needs each node's ranks numbered together, the same number
     on every node; where Ray placed them otherwise, ZeRO-3 runs without it, and says why.
     """
-    from raylift.strategies.mesh import by_node, counts
-
     s = cfg.strategy
     if (
         s.zero_stage != 3

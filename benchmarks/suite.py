@@ -74,8 +74,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="raylift-suite-") as tmp:
         commit = clone(Path(tmp) / "raylift")
         seconds, output, code = run(Path(tmp) / "raylift", opts.quick)
+    log = Path(tempfile.gettempdir()) / f"raylift-suite-{'quick' if opts.quick else 'full'}.log"
+    log.write_text(output)  # whole: a failure's traceback is far above the summary
     counts, pytest_s = counted(output)
     print(output[-6000:])
+    print(f"the whole output: {log}")
     lane = "the quick lane" if opts.quick else "the whole suite"
     summary = ", ".join(f"{n} {w}" for w, n in counts.items())
     save(

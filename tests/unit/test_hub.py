@@ -37,8 +37,9 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama of 10 MiB of fp32 weights, no tokenizer (its 320 tokens are bytes and more):
-    ten read-aheads of the Hub's filesystem."""
+    """A Llama of 10 MiB of fp32 weights in three files and their index, no tokenizer
+    (its 320 tokens are bytes and more): each file a few read-aheads of the Hub's
+    filesystem."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -48,8 +49,12 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_key_value_heads=2, vocab_size=320, max_position_embeddings=64,
     )  # fmt: skip
     folder = tmp_path_factory.mktemp("wide-llama")
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder, max_shard_size="4MB")
     return folder
+
+
+# What a Hub model's folder holds beside its safetensors, which no run reads.
+OTHER_FORMATS = {"original/consolidated.00.pth": b"\0" * 300_000, "pytorch_model.bin": b"x" * 1000}
 
 
 @pytest.fixture
@@ -65,7 +70,7 @@ def hub(
         server.use(monkeypatch, tmp_path / "hf-home")
         server.add_repo(LLAMA, zoo)
         server.add_repo("org/gated-llama", zoo, gated=True)
-        server.add_repo(WIDE, wide)
+        server.add_repo(WIDE, {**{p.name: p for p in wide.iterdir()}, **OTHER_FORMATS})
         yield server
     assert not server.errors, server.errors[0]
 
@@ -115,9 +120,10 @@ def test_the_driver_pins_a_branch_to_one_commit_that_a_push_does_not_change(
 def test_the_weights_are_read_from_the_hub_as_save_pretrained_wrote_them(
     hub: HubServer, zoo: Path, wide: Path, name: str
 ) -> None:
-    """The task's weights are the Hub's file at the pinned commit (tied ones too); the
-    driver's check of them reads the file's header with one read-ahead, and the load
-    reads the file once."""
+    """The task's weights are the Hub's files at the pinned commit (tied ones too; one
+    file, or an index and its files); the driver's check of them reads each file's header
+    with one read-ahead (a single file's twice: its names, then their shapes), and the
+    load reads each file once and nothing of the other formats beside them."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,17 +135,24 @@ def test_the_weights_are_read_from_the_hub_as_save_pretrained_wrote_them(
     path = task.pretrained_weights
     assert path == f"hf://{cfg.task_args['model']}"
     folder = {LLAMA: zoo, WIDE: wide}[name]
-    size = (folder / "model.safetensors").stat().st_size
+    files = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    assert len(files) == (1 if name == LLAMA else 3), files
+
+    def served() -> int:
+        return sum(hub.served(name, f) for f in files)
+
     hub.reset_stats()
     model = task.build_model()
-    check(model, path)  # the header alone: twice for one file (its names, their shapes)
-    read = hub.served(name, "model.safetensors")
-    assert 0 < read <= 2 * min(size, hubs.READ_AHEAD + 8 + 64 * 1024), (read, size)
+    check(model, path)
+    reads = 2 if len(files) == 1 else 1
+    each = [min(size, hubs.READ_AHEAD + 8 + 64 * 1024) for size in files.values()]
+    assert 0 < served() <= reads * sum(each), (served(), files)
     if name == WIDE:
-        assert read < size / 4, (read, size)
+        assert served() < sum(files.values()) / 2, (served(), files)
     hub.reset_stats()
     load(model, path, write_in_place)
-    assert hub.served(name, "model.safetensors") == size
+    assert served() == sum(files.values())
+    assert hub.total_bytes_served == served() + hub.served(name, "model.safetensors.index.json")
     want = AutoModelForCausalLM.from_pretrained(folder).state_dict()
     got = model.state_dict()
     assert got.keys() == want.keys()

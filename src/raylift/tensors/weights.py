@@ -220,19 +220,34 @@ def weights_path(cfg: Any, task: Any) -> str | None:
 
 @contextlib.contextmanager
 def on_this_machine(path: str) -> Iterator[str]:
-    """``path`` itself where it is local, else a private copy of the file or folder that
-    its URI names (an object store: the run's fetched weights), removed after."""
+    """``path`` itself where it is local, else a private copy of the weights its URI names
+    (an object store's, the Hub's), removed after: the file, or of a folder its weights
+    alone (its index and the files it maps, or its one file). A Hub model's folder also
+    holds other formats (``pytorch_model.bin``, ``original/``) that a run never reads."""
     if not storage.is_remote(path):
         yield path
         return
     if path.endswith(".safetensors"):
         with storage.scratch("weights") as tmp:
-            local = Path(tmp) / storage.name(path)
-            local.write_bytes(storage.read_bytes(path) or b"")
-            yield str(local)
+            yield str(_copied(path, Path(tmp) / storage.name(path)))
         return
-    with storage.local_copy(path) as folder:
-        yield str(folder)
+    names = [SINGLE]  # weight_files would read its header: it is copied whole anyway
+    if storage.is_file(storage.join(path, INDEX)):
+        shards = {f[len(path.rstrip("/")) + 1 :] for f in weight_files(path).values()}
+        names = [INDEX, *sorted(shards)]
+    with storage.scratch("weights") as tmp:
+        for name in names:
+            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
+            _copied(storage.join(path, name), Path(tmp) / name)
+        yield tmp
+
+
+def _copied(uri: str, local: Path) -> Path:
+    """``uri``'s bytes streamed into ``local``, never whole in memory."""
+    with local.open("wb") as out:
+        for chunk in storage.read_chunks(uri):
+            out.write(chunk)
+    return local
 
 
 def load(

@@ -93,10 +93,11 @@ def test_a_hub_id_is_told_from_a_path() -> None:
 
 
 def test_the_driver_pins_a_branch_to_one_commit_that_a_push_does_not_change(
-    hub: HubServer, zoo: Path, tmp_path: Path
+    hub: HubServer, zoo: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first = hub.resolve(LLAMA)
     cfg, line = pin_hub_names(hf_config(LLAMA))  # type: ignore[arg-type]
+    assert "Fetching" not in capsys.readouterr().err  # huggingface_hub's progress bars
     assert cfg.task_args["model"] == f"{LLAMA}@{first}"
     assert line == f"raylift: task_args.model {LLAMA} is the Hub's commit {first}"
     # A push to main after the pin: the pinned run still reads the first commit.

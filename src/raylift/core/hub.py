@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from typing import Any
 
 # A Hub repo ID as huggingface_hub validates one: one slash, no path beyond it.
@@ -79,6 +80,25 @@ def parse(name: str) -> HubRef | None:
     return HubRef(repo, revision or None)
 
 
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """huggingface_hub's progress bars off: they are another program's lines on the
+    console (raylift says what it fetched where it matters)."""
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
+
+    was = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was:
+            enable_progress_bars()
+
+
 def endpoint() -> str | None:
     """``HF_ENDPOINT`` as set now (huggingface_hub reads it once, at its import)."""
     return os.environ.get("HF_ENDPOINT") or None
@@ -108,11 +128,15 @@ def _cached(ref: HubRef, key: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return str(
-            snapshot_download(
-                ref.repo, revision=ref.revision, local_files_only=True, allow_patterns=SMALL_FILES
+        with _quiet():
+            return str(
+                snapshot_download(
+                    ref.repo,
+                    revision=ref.revision,
+                    local_files_only=True,
+                    allow_patterns=SMALL_FILES,
+                )
             )
-        )
     except Exception:
         raise HubError(
             f"{key}: {ref} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
@@ -168,11 +192,12 @@ def small_files(ref: HubRef, key: str) -> str:
         with contextlib.suppress(HubError):
             return _cached(ref, key)
     try:
-        return str(
-            snapshot_download(
-                ref.repo, revision=ref.revision, allow_patterns=SMALL_FILES, endpoint=endpoint()
+        with _quiet():
+            return str(
+                snapshot_download(
+                    ref.repo, revision=ref.revision, allow_patterns=SMALL_FILES, endpoint=endpoint()
+                )
             )
-        )
     except Exception as exc:
         raise HubError(explain(exc, ref, key)) from None
 

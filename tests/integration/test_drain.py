@@ -7,7 +7,8 @@
   two. The run saves at the notice (to storage and to memory), trains on, saves once
   more before the deadline and waits there; Ray Train tears the group down at the
   deadline, and the restart is sized without the leaving node at its first try, and
-  restores from memory, its mesh one replica: the node that stays. No step is redone.
+  restores from memory (the whole copy the node that stays kept of its own), its mesh
+  one replica: that node. No step is redone.
 - its raylet SIGKILLed, with no notice, under DDP (one CPU and one worker a node). Ray
   calls the node dead only after its health checks have failed for a while; the restart
   is sized without it all the same (its
@@ -179,8 +180,12 @@ def test_a_drained_node_costs_no_step_and_no_placement_timeout(drained: dict) ->
         r"raylift: resumed from the run's memory snapshot at step (\d+) .*4 -> 2 work", out
     )
     assert resumed and int(resumed.group(1)) == int(last.group(1)), out
-    # The deadline's save went to storage and to memory: the same step, from memory.
-    assert f"snapshot at step {last.group(1)} is complete on every rank" in out, out
+    # The deadline's save went to storage and to memory: the same step, from memory,
+    # from the whole copy the node that stayed kept of its own (HSDP: no peer copies).
+    assert re.search(
+        rf"snapshot at step {last.group(1)} is whole in the copy of rank\(s\) \[\d, \d\]", out
+    ), out
+    assert "held on each node, a whole copy on each (HSDP's replicas)" in out, out
     assert re.search(r"MiB restored from memory in [\d.]+ s", out), out
     lines = out.splitlines()
     restart = next(i for i, x in enumerate(lines) if x.startswith("raylift: resumed from"))

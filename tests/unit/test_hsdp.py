@@ -9,6 +9,7 @@ test_drain)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,15 @@ import torch
 
 from raylift.artifacts.export import consolidated_state_dict
 from raylift.core.parsing import merge
+from raylift.run.checkpointing import replica_place, write_replica
+from raylift.tensors.checkpoints import done_file, seal_checkpoint
+from raylift.validation import config_from_dict
 from tests.helpers import (
     GPT_SMALL,
+    ListTracker,
+    LocalReporter,
     make_config,
+    make_trainer,
     resume_and_record,
     run_ranks,
     train_keep_checkpoints,
@@ -110,20 +117,68 @@ def test_a_checkpoint_resumes_under_another_mesh(
 ) -> None:
     """Resumed at step 15 under another mesh (on fewer ranks, as after a lost node,
     accumulating what the others did): the uninterrupted curve goes on, within 1e-6, from
-    exactly the saved weights."""
+    exactly the saved weights. Under HSDP each replica also wrote its whole copy at step 15,
+    as each node's memory snapshot: the second node's copy alone resumes the same way."""
     cfg = gpt(saved, checkpoint={"every_n_steps": 5})
-    run_ranks(WORLD, tmp_path, train_keep_checkpoints, cfg, str(tmp_path / "full"))
+    saving = train_keeping_copies if saved is HSDP else train_keep_checkpoints
+    run_ranks(WORLD, tmp_path, saving, cfg, str(tmp_path / "full"))
     full = torch.load(tmp_path / "full" / "loss.pt", weights_only=True)
     ckpt = tmp_path / "full" / "checkpoint-step00000015"
     exported = consolidated_state_dict(ckpt)
     # The same rows a step: each of fewer ranks accumulates what the others did.
     accum = {**GPT_SMALL["train"], "grad_accum": WORLD // world}
     again = gpt(resumed, checkpoint={"every_n_steps": 5}, train=accum)
-    run_ranks(world, tmp_path, resume_and_record, again, str(ckpt), str(tmp_path / "r.pt"))
-    got = torch.load(tmp_path / "r.pt", weights_only=True)
-    assert sorted(got["loss"]) == list(range(16, 31))
-    for step, loss in got["loss"].items():
-        assert loss == pytest.approx(full[step], rel=1e-6), step
-    assert got["params"].keys() == exported.keys()
-    for key, value in exported.items():
-        torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)
+    sources = {"storage": ckpt}
+    if saved is HSDP and resumed is FULL:  # the first node lost: the second's copy serves
+        sources["copy"] = merged_copy(tmp_path / "full", COPIES[1])
+    for source, folder in sources.items():
+        out = tmp_path / f"r-{source}.pt"
+        run_ranks(world, tmp_path, resume_and_record, again, str(folder), str(out))
+        got = torch.load(out, weights_only=True)
+        assert sorted(got["loss"]) == list(range(16, 31))
+        for step, loss in got["loss"].items():
+            assert loss == pytest.approx(full[step], rel=1e-6), (source, step)
+        assert got["params"].keys() == exported.keys()
+        for key, value in exported.items():
+            torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)
+
+
+# Two nodes' replicas, as Mesh.replicas() names them where Ray put ranks 0, 1 on one node
+# and 2, 3 on another (here the ranks share one host, so they are named by hand).
+COPIES = ((0, 1), (2, 3))
+
+
+def train_keeping_copies(rank: int, world: int, cfg_dict: dict, root: str) -> None:
+    """As train_keep_checkpoints, and at step 15 each replica's ranks also write their
+    whole copy of the state (write_replica, as each node's memory snapshot does), each
+    rank's part in a folder of its own."""
+    cfg = config_from_dict(cfg_dict)
+    tracker = ListTracker()
+    trainer = make_trainer(cfg, rank, world, LocalReporter(Path(root)), tracker)
+    trainer.engine.replicas = COPIES  # type: ignore[misc]
+    save = trainer.saver.save
+
+    def save_and_copy(step: int, loop: dict, metrics: dict, to_storage: bool = True) -> None:
+        save(step, loop, metrics, to_storage)
+        if step == 15:
+            folder = Path(root) / f"part-{rank}"
+            items = write_replica(folder, trainer.engine, loop, rank, world)()
+            listing = seal_checkpoint(folder, items)
+            (folder / done_file(replica_place(trainer.engine, rank))).write_text(listing)
+
+    trainer.saver.save = save_and_copy  # type: ignore[method-assign]
+    trainer.run()
+    if rank == 0:
+        torch.save(tracker.series("train_loss"), Path(root) / "loss.pt")
+
+
+def merged_copy(root: Path, ranks: tuple[int, ...]) -> Path:
+    """One replica's parts in one folder, as a restore fetches them from a node's keeper;
+    the copy holds the whole state: about the storage checkpoint's bytes, not a share."""
+    into = root / f"copy-{'-'.join(map(str, ranks))}"
+    for rank in ranks:
+        shutil.copytree(root / f"part-{rank}", into, dirs_exist_ok=True)
+    engine = sum(p.stat().st_size for p in (into / "engine").iterdir())
+    stored = sum(p.stat().st_size for p in (root / "checkpoint-step00000015" / "engine").iterdir())
+    assert 0.9 * stored < engine < 1.1 * stored, (engine, stored)
+    return into

@@ -54,6 +54,20 @@ def test_tensor_parallel_within_each_node() -> None:
     )
 
 
+def test_each_nodes_ranks_hold_a_whole_copy_only_where_hsdp_replicates_by_node() -> None:
+    """The copies a memory snapshot keeps one per node: each replica's ranks, where each
+    replica is one node's ranks and no node holds two."""
+    assert resolve(strategy(), ["a", "a", "b", "b"]).replicas() == ((0, 1), (2, 3))
+    assert resolve(strategy(), ["a", "b", "a", "b"]).replicas() == ((0, 2), (1, 3))
+    assert resolve(strategy(tp=2), ["a"] * 4 + ["b"] * 4).replicas() == (
+        (0, 1, 2, 3), (4, 5, 6, 7),
+    )  # fmt: skip
+    assert resolve(strategy(), ["a"] * 4).replicas() == ()  # full sharding: no copy
+    assert resolve(strategy(rep=2), ["a"] * 4).replicas() == ()  # both copies on one node
+    # Four copies (no sharding) on two nodes: two a node, the peer copy's case.
+    assert resolve(strategy(rep=4, shard=1), ["a", "a", "b", "b"]).replicas() == ()
+
+
 def test_uneven_placement_falls_back_to_full_sharding_and_says_why() -> None:
     mesh = resolve(strategy(), ["a", "a", "a", "b"])
     assert (mesh.replicate, mesh.shard) == (1, 4)

@@ -66,6 +66,42 @@ def test_parts_of_two_group_sizes_at_one_step_never_make_a_snapshot() -> None:
     assert choice is None and "groups of [1, 2] workers" in why
 
 
+def copies_held(parts: dict[str, list[tuple[int, int]]]) -> dict:
+    """{node: [(step, rank)]} of a 4-rank HSDP run whose nodes A (ranks 0, 1) and B
+    (ranks 2, 3) each keep their own whole copy."""
+    copy_of = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
+    return {
+        node: {(s, r): Part(4, 500, node, copy_of[r]) for s, r in held}
+        for node, held in parts.items()
+    }
+
+
+def test_under_hsdp_one_nodes_whole_copy_restores_every_rank() -> None:
+    both = copies_held({A: [(20, 0), (20, 1)], B: [(20, 2), (20, 3)]})
+    choice, why = choose(both, storage_step=-1)
+    assert choice is not None and choice.replica == (0, 1) and choice.world == 4
+    assert choice.holders == {0: [A], 1: [A]} and choice.nbytes == 1000  # one copy fetched
+    # A restart whose rank 0 is on B takes B's own copy: a fetch within the node.
+    assert choose(both, storage_step=-1, near=B)[0].holders == {2: [B], 3: [B]}  # type: ignore[union-attr]
+    # Node A gone: B's copy serves every rank, and nothing was ever sent to a peer.
+    choice, why = choose(copies_held({B: [(20, 2), (20, 3)]}), storage_step=10)
+    assert choice is not None and choice.holders == {2: [B], 3: [B]} and choice.gone == (0, 1)
+    assert why == (
+        "the memory snapshot at step 20 is whole in the copy of rank(s) [2, 3] and newer than "
+        "storage's step 10 (each node keeps a whole copy under HSDP); the copy of rank(s) "
+        "[0, 1] is gone with its node"
+    )
+    # Step 30 reached B only in part (rank 3's was on its way), A is gone: step 20 it is.
+    cut = copies_held({B: [(20, 2), (20, 3), (30, 2)]})
+    assert choose(cut, storage_step=-1)[0].step == 20  # type: ignore[union-attr]
+    none = copies_held({A: [(30, 0)], B: [(30, 3)]})
+    assert choose(none, storage_step=-1) == (None, (
+        "no memory snapshot is complete on every rank (step 30 has no whole copy: each node's "
+        "copy lacks a part (the copies of rank(s) [[0, 1], [2, 3]]), gone with its node or "
+        "still on its way)"
+    ))  # fmt: skip
+
+
 def test_a_keeper_holds_the_newest_snapshots_and_forgets_an_abandoned_past() -> None:
     keeper = Keeper(keep=2)
     for step in (10, 20, 30):
@@ -74,6 +110,8 @@ def test_a_keeper_holds_the_newest_snapshots_and_forgets_an_abandoned_past() -> 
     assert sorted(keeper.held()) == [(20, 0), (20, 1), (30, 0), (30, 1)]
     assert keeper.held()[(30, 1)] == Part(2, 4, A)
     assert keeper.give(20, 1) == {"engine/x": b"abc", "loop_state.pt": b"d"}
+    keeper.hold(30, 1, 2, A, {"x": b"ab"}, replica=(0, 1))  # part of a whole copy (HSDP)
+    assert keeper.held()[(30, 1)] == Part(2, 2, A, (0, 1))
     keeper.forget_after(20)  # a restart resumed at step 20: step 30 was never trained to
     assert sorted(keeper.held()) == [(20, 0), (20, 1)]
 

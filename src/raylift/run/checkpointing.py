@@ -47,6 +47,39 @@ def write_checkpoint(
     return write
 
 
+def write_replica(
+    directory: Path,
+    engine: Engine,
+    loop_state: dict[str, Any],
+    rank: int,
+    world: int,
+    copy: bool = False,
+) -> Write:
+    """Collective: as :func:`write_checkpoint`, but each of the engine's replicas (one
+    node's ranks) writes a whole checkpoint among its own ranks, every rank's RNG in it:
+    any one node's parts restore the run. Each rank lists its part as its place in its
+    replica (``done_file(replica.index(rank))``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    write = engine.save(directory, copy, replica=True)
+    rngs = gather(world, rng_state())
+    if replica_place(engine, rank) == 0:
+        for r, rng in enumerate(rngs):
+            torch.save(rng, directory / rng_file(r))
+        writers = len(replica_of(engine, rank))
+        state = {"format": FORMAT, **loop_state, "engine_extra": engine.extra_state()}
+        torch.save({**state, "writers": writers}, directory / LOOP_FILE)
+    return write
+
+
+def replica_of(engine: Engine, rank: int) -> tuple[int, ...]:
+    return next(ranks for ranks in engine.replicas if rank in ranks)
+
+
+def replica_place(engine: Engine, rank: int) -> int:
+    """``rank``'s place among its replica's ranks: the number its part is listed under."""
+    return replica_of(engine, rank).index(rank)
+
+
 def same_format(saved: object, strategy: str) -> bool:
     """Whether a checkpoint ``saved`` by one strategy holds state ``strategy`` can read:
     DDP's and FSDP's (any mesh) are both DCP, resharded as they load."""

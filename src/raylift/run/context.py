@@ -47,6 +47,10 @@ class Reporter(Protocol):
 class MemoryKeepers(Protocol):
     """The run's memory snapshots, as a rank hands its parts over (raylift.run.snapshots)."""
 
+    # The ranks of this rank's replica where each node keeps a whole copy of the state
+    # (HSDP by node) and no part goes to a peer; (): parts go to this node and a peer.
+    replica: tuple[int, ...]
+
     def send(self, step: int, folder: Path) -> int:
         """This rank's part of the snapshot at ``step`` (the files under ``folder``) to its
         keepers; returns its bytes once they hold it."""

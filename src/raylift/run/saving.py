@@ -22,10 +22,20 @@ from pathlib import Path
 from typing import Any
 
 from raylift.core import storage
-from raylift.run.checkpointing import write_checkpoint
+from raylift.run.checkpointing import replica_place, write_checkpoint, write_replica
 from raylift.run.context import MemoryKeepers, WorkerContext, gather
 from raylift.strategies.base import Engine, Write
 from raylift.tensors.checkpoints import CheckpointError, done_file, seal_checkpoint
+
+
+@dataclasses.dataclass
+class Whole:
+    """This rank's part of its replica's whole copy of the state (HSDP: one node's ranks
+    hold it), for the memory snapshot alone."""
+
+    folder: Path
+    write: Write | None
+    place: int  # this rank's place in its replica: its part is listed under that number
 
 
 @dataclasses.dataclass
@@ -50,36 +60,52 @@ class Save:
     keepers: MemoryKeepers | None = None  # the run's memory, where it takes this one too
     held: bool = False  # this rank's part is with its keepers
     memory_error: BaseException | None = None  # why not: never the run's end
+    whole: Whole | None = None  # what the keepers get instead of ``folder``'s part
 
     def upload(self, rank: int) -> None:
         """Write this rank's part, checksum it, hand it to the keepers and copy it to
         storage, its completion list last."""
         try:
-            assert self.write is not None
-            items = self.write()
-            self.write = None  # the host copy is freed once written
-            self.part = storage.bytes_under(self.folder)
-            listing = seal_checkpoint(self.folder, items)
-            if self.keepers is not None:
-                self._to_memory(rank, listing)
-            if self.to_storage:
-                with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
-                    storage.upload_folder(self.folder, self.dest)
-                    storage.write_text(storage.join(self.dest, done_file(rank)), listing)
+            if self.whole is not None:
+                self._whole_to_memory(self.whole)
+            if self.write is not None:
+                self._write(rank)
             self.done_s = time.perf_counter() - self.started
         except BaseException as exc:  # raised in the training thread when the ranks settle
             self.error = exc
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
+            if self.whole is not None:
+                shutil.rmtree(self.whole.folder, ignore_errors=True)
 
-    def _to_memory(self, rank: int, listing: str) -> None:
+    def _write(self, rank: int) -> None:
+        assert self.write is not None
+        items = self.write()
+        self.write = None  # the host copy is freed once written
+        self.part = storage.bytes_under(self.folder)
+        listing = seal_checkpoint(self.folder, items)
+        if self.keepers is not None and self.whole is None:
+            self._to_memory(rank, listing, self.folder)
+        if self.to_storage:
+            with storage.reaching(self.dest, f"saving {self.name}"):  # one line, exit 2
+                storage.upload_folder(self.folder, self.dest)
+                storage.write_text(storage.join(self.dest, done_file(rank)), listing)
+
+    def _whole_to_memory(self, whole: Whole) -> None:
+        assert whole.write is not None
+        items = whole.write()
+        whole.write = None
+        self.part = storage.bytes_under(whole.folder)
+        self._to_memory(whole.place, seal_checkpoint(whole.folder, items), whole.folder)
+
+    def _to_memory(self, listed_as: int, listing: str, folder: Path) -> None:
         """The part with its completion list to the keepers; a keeper lost on the way
         costs this snapshot, not the run (storage checkpoints go on)."""
         assert self.keepers is not None
-        done = self.folder / done_file(rank)
+        done = folder / done_file(listed_as)
         done.write_text(listing)
         try:
-            self.keepers.send(self.step, self.folder)
+            self.keepers.send(self.step, folder)
             self.held = True
         except Exception as exc:
             self.memory_error = exc
@@ -114,11 +140,17 @@ class Saver:
         started = time.perf_counter()
         self.settle(wait=True)  # one save in flight: this one waits for the one before
         waited = time.perf_counter() - started
-        rank = self.ctx.rank
+        rank, keepers = self.ctx.rank, self.ctx.keepers
+        # Where each node's ranks hold a whole copy (HSDP), the keepers get that instead.
+        by_copy = keepers is not None and bool(keepers.replica)
         folder = storage.scratch_dir("ckpt")
+        write, whole = None, None
         try:
             self._check_room(folder)
-            write = write_checkpoint(folder, self.engine, loop_state, rank, self.background)
+            if to_storage or not by_copy:
+                write = write_checkpoint(folder, self.engine, loop_state, rank, self.background)
+            if by_copy:
+                whole = self._whole(loop_state)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -127,7 +159,7 @@ class Saver:
             name = f"memory snapshot at step {step}"
         dest = self.ctx.reporter.destination(name) if to_storage else ""
         job = Save(name, step, {**metrics, "step": float(step)}, folder, write, dest, started,
-                   to_storage=to_storage, keepers=self.ctx.keepers)  # fmt: skip
+                   to_storage=to_storage, keepers=keepers, whole=whole)  # fmt: skip
         if self.background:
             job.thread = threading.Thread(
                 target=job.upload, args=(rank,), name=f"raylift-upload-step{step}", daemon=True
@@ -139,6 +171,17 @@ class Saver:
         self.pending = job
         if not self.background:
             self.settle(wait=True)
+
+    def _whole(self, loop_state: dict[str, Any]) -> Whole:
+        """Collective: this rank's part of its replica's whole copy, for the keepers."""
+        folder = storage.scratch_dir("snapshot-part")
+        try:
+            world, copy = self.ctx.world_size, self.background
+            write = write_replica(folder, self.engine, loop_state, self.ctx.rank, world, copy)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return Whole(folder, write, replica_place(self.engine, self.ctx.rank))
 
     def _check_room(self, folder: Path) -> None:
         """Collective: refuse a save whose part cannot fit, on every rank, before taking

@@ -46,6 +46,8 @@ class Part:
     world: int  # the ranks of the group that took the snapshot
     nbytes: int
     origin: str  # the node that took it: its keeper holds the first copy, a peer's the second
+    # Where each node's ranks wrote a whole copy (HSDP): the ranks of this part's copy.
+    replica: tuple[int, ...] = ()
 
 
 class Keeper:
@@ -54,12 +56,20 @@ class Keeper:
 
     def __init__(self, keep: int):
         self.keep = keep
-        self.parts: dict[Key, tuple[int, str, dict[str, bytes]]] = {}
+        self.parts: dict[Key, tuple[int, str, dict[str, bytes], tuple[int, ...]]] = {}
 
-    def hold(self, step: int, rank: int, world: int, origin: str, files: dict[str, bytes]) -> int:
+    def hold(
+        self,
+        step: int,
+        rank: int,
+        world: int,
+        origin: str,
+        files: dict[str, bytes],
+        replica: tuple[int, ...] = (),
+    ) -> int:
         """Keep ``rank``'s part of the snapshot at ``step`` (of ``world`` ranks), taken on
-        the node ``origin``."""
-        self.parts[(step, rank)] = (world, origin, files)
+        the node ``origin``; ``replica``: the ranks of the whole copy it is part of."""
+        self.parts[(step, rank)] = (world, origin, files, tuple(replica))
         newest = sorted({s for s, _ in self.parts}, reverse=True)[: self.keep]
         self.parts = {k: v for k, v in self.parts.items() if k[0] in newest}
         return sum(len(b) for b in files.values())
@@ -67,8 +77,8 @@ class Keeper:
     def held(self) -> dict[Key, Part]:
         """What each part held is, by (step, rank)."""
         return {
-            k: Part(w, sum(len(b) for b in f.values()), origin)
-            for k, (w, origin, f) in self.parts.items()
+            k: Part(w, sum(len(b) for b in f.values()), origin, replica)
+            for k, (w, origin, f, replica) in self.parts.items()
         }
 
     def give(self, step: int, rank: int) -> dict[str, bytes]:
@@ -139,20 +149,24 @@ class Choice:
     holders: dict[int, list[str]]  # rank -> the nodes whose keepers hold its part
     nbytes: int  # of every rank's part together
     from_peer: tuple[int, ...] = ()  # ranks whose own node's keeper is gone: the peer's copy
+    replica: tuple[int, ...] = ()  # the ranks of the whole copy it is (HSDP), where it is one
+    gone: tuple[int, ...] = ()  # the ranks whose own node's whole copy is not: gone with it
 
 
 Held = dict[str, dict[Key, Part]]  # what each node's keeper holds
 
 
-def choose(held: Held, storage_step: int) -> tuple[Choice | None, str]:
+def choose(held: Held, storage_step: int, near: str = "") -> tuple[Choice | None, str]:
     """The snapshot to restore from, given what each node's keeper holds and the newest
-    storage checkpoint's step (-1: none), with why; None and why not where it is storage."""
+    storage checkpoint's step (-1: none), with why; None and why not where it is storage.
+    ``near``: the node whose own whole copy (HSDP) is preferred: the restarted rank 0's,
+    which stays, where another copy's node may be leaving."""
     steps = sorted({s for parts in held.values() for s, _ in parts}, reverse=True)
     if not steps:
         return None, "no memory snapshot is held (none was taken yet, or its keepers are gone)"
     missing = ""
     for step in steps:
-        choice, missing = _complete(held, step)
+        choice, missing = _complete(held, step, near)
         if choice is None:
             continue
         if step < storage_step:
@@ -161,6 +175,8 @@ def choose(held: Held, storage_step: int) -> tuple[Choice | None, str]:
                 f"storage checkpoint (step {storage_step})"
             )
         newer = f" and newer than storage's step {storage_step}" if step > storage_step else ""
+        if choice.replica:
+            return choice, _whole_said(choice, newer)
         peer = (
             f"; rank(s) {list(choice.from_peer)} from the copy on their peer node (their own "
             "node's keeper is gone)"
@@ -171,7 +187,7 @@ def choose(held: Held, storage_step: int) -> tuple[Choice | None, str]:
     return None, f"no memory snapshot is complete on every rank ({missing})"
 
 
-def _complete(held: Held, step: int) -> tuple[Choice | None, str]:
+def _complete(held: Held, step: int, near: str = "") -> tuple[Choice | None, str]:
     holders: dict[int, list[str]] = {}
     worlds, sizes, origins = set(), {}, {}
     for node, parts in sorted(held.items()):
@@ -183,6 +199,10 @@ def _complete(held: Held, step: int) -> tuple[Choice | None, str]:
     if len(worlds) != 1:
         return None, f"step {step}'s parts come from groups of {sorted(worlds)} workers"
     world = worlds.pop()
+    copies = {p.replica for parts in held.values() for (s, _), p in parts.items() if s == step}
+    if copies != {()}:
+        copies.discard(())
+        return _whole_copy(step, world, holders, sizes, sorted(copies, key=_by(near, holders)))
     lost = [r for r in range(world) if r not in holders]
     if lost:
         return None, (
@@ -191,6 +211,40 @@ def _complete(held: Held, step: int) -> tuple[Choice | None, str]:
         )
     peer = tuple(r for r in range(world) if origins[r] not in holders[r])
     return Choice(step, world, holders, sum(sizes.values()), peer), ""
+
+
+def _by(near: str, holders: dict[int, list[str]]) -> Any:
+    """Copies held on ``near`` first, then by their ranks."""
+    return lambda ranks: (not all(near in holders.get(r, []) for r in ranks), ranks)
+
+
+def _whole_copy(
+    step: int,
+    world: int,
+    holders: dict[int, list[str]],
+    sizes: dict[int, int],
+    copies: list[tuple[int, ...]],
+) -> tuple[Choice | None, str]:
+    """The first whole copy (HSDP: one node's ranks wrote it) every part of which is held;
+    the others that lack one were lost with their node."""
+    whole = [ranks for ranks in copies if all(r in holders for r in ranks)]
+    if not whole:
+        return None, (
+            f"step {step} has no whole copy: each node's copy lacks a part (the copies of "
+            f"rank(s) {[list(c) for c in copies]}), gone with its node or still on its way"
+        )
+    ranks = whole[0]
+    gone = tuple(r for r in range(world) if not any(r in c for c in whole))
+    chosen = {r: holders[r] for r in ranks}
+    return Choice(step, world, chosen, sum(sizes[r] for r in ranks), (), ranks, gone), ""
+
+
+def _whole_said(choice: Choice, newer: str) -> str:
+    lost = f"; the copy of rank(s) {list(choice.gone)} is gone with its node" if choice.gone else ""
+    return (
+        f"the memory snapshot at step {choice.step} is whole in the copy of rank(s) "
+        f"{list(choice.replica)}{newer} (each node keeps a whole copy under HSDP){lost}"
+    )
 
 
 def reachable(keepers: dict[str, Any]) -> dict[str, Any]:
@@ -230,6 +284,15 @@ class Snapshots:
         self.peer = peer_of(self.nodes, rank)
         holders = [self.node] if self.peer is None else [self.node, self.peer]
         self.holders = ray.get([keepers.keeper.remote(n) for n in holders])
+        self.replica: tuple[int, ...] = ()
+
+    def use_replicas(self, replicas: tuple[tuple[int, ...], ...]) -> None:
+        """Where each node's ranks hold a whole copy of the state (HSDP by node), each node
+        keeps its own copy and sends no part to a peer: any one node's copy restores the
+        run, and a lost node's part is its replica's."""
+        self.replica = next((ranks for ranks in replicas if self.rank in ranks), ())
+        if self.replica:
+            self.peer, self.holders = None, self.holders[:1]
 
     def send(self, step: int, folder: Path) -> int:
         """Hand this rank's part of the snapshot at ``step`` (its files under ``folder``,
@@ -239,11 +302,13 @@ class Snapshots:
         paths = sorted(p for p in folder.rglob("*") if p.is_file())
         files = {str(p.relative_to(folder)): p.read_bytes() for p in paths}
         ref = ray.put(files)  # one copy in the object store, fetched by each keeper
-        args = (step, self.rank, self.world, self.node, ref)
+        args = (step, self.rank, self.world, self.node, ref, self.replica)
         held = ray.get([k.hold.remote(*args) for k in self.holders])
         return int(held[0])
 
     def where(self) -> str:
+        if self.replica:
+            return "each node, a whole copy on each (HSDP's replicas)"
         return "this node only (one node)" if self.peer is None else "this node and a peer"
 
     def find(self, storage_step: int) -> tuple[Choice | None, str]:
@@ -252,7 +317,8 @@ class Snapshots:
 
         found: tuple[Choice | None, str] = (None, "")
         if self.rank == 0:
-            found = choose(catalog(ray.get(self.keepers.all.remote())), storage_step)
+            held = catalog(ray.get(self.keepers.all.remote()))
+            found = choose(held, storage_step, near=self.node)
         return gather(self.world, found)[0]
 
     def fetch(self, choice: Choice, into: Path) -> int:
@@ -300,6 +366,8 @@ class Snapshots:
 
     def _share(self) -> float:
         """The share of a snapshot this node holds: its ranks' parts and its peers'."""
+        if self.replica:
+            return 1.0  # its own whole copy
         peers = [peer_of(self.nodes, r) for r in range(self.world)]
         own = sum(n == self.node for n in self.nodes) + sum(p == self.node for p in peers)
         return own / self.world

@@ -170,6 +170,7 @@ def build_trainer(
     )
     trainer = Trainer(cfg, task, ctx)
     if isinstance(ctx.keepers, Snapshots):  # refused before any step where a node cannot hold them
+        ctx.keepers.use_replicas(trainer.engine.replicas)
         ctx.keepers.check_room(cfg, trainable_count(trainer.engine.eval_model))
     if spec.startup is not None:
         spec.startup.mark("build")

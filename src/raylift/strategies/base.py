@@ -42,6 +42,9 @@ class Engine(Protocol):
     # Where a tensor-parallel group trains on one batch: which rows this rank reads.
     # None: each rank reads its own (data parallel).
     data_view: DataView | None
+    # The ranks of each whole copy of the state, one node's ranks each (HSDP by node):
+    # ``save(replica=True)`` writes a copy among them alone. (): no such copies.
+    replicas: tuple[tuple[int, ...], ...]
 
     @property
     def skipped_steps(self) -> int:
@@ -66,12 +69,13 @@ class Engine(Protocol):
         gradients instead of updating, and counts in ``skipped_steps``."""
         ...
 
-    def save(self, directory: Path, copy: bool) -> Write:
+    def save(self, directory: Path, copy: bool, replica: bool = False) -> Write:
         """Collective: every rank takes its part of model + optimizer state. With ``copy``
         the part is copied to host memory now and the returned call writes it into
         ``directory``, from any thread, while training changes the state; without, the
         part is written now. The call returns where each item (tensor) starts in the
-        files this rank wrote, by name, where the format says."""
+        files this rank wrote, by name, where the format says. ``replica``: the ranks of
+        each of ``replicas`` write a whole copy of the state among themselves."""
         ...
 
     def load(self, files: Files) -> None:
@@ -123,14 +127,16 @@ class DCPState:
             model_sd = {k: v for k, v in model_sd.items() if _local(v).data_ptr() not in frozen}
         return model_sd, optim_sd
 
-    def save(self, folder: Path, copy: bool) -> Write:
+    def save(self, folder: Path, copy: bool, group: Any = None) -> Write:
+        """``group``: the ranks that write a whole checkpoint among themselves (a gloo
+        group; a replica of HSDP); None: every rank of the run, each item written once."""
         import torch.distributed.checkpoint as dcp
 
         model_sd, optim_sd = self._state()
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         if not copy:
             writer = _recording_writer(folder)
-            dcp.save(state, storage_writer=writer)
+            dcp.save(state, storage_writer=writer, process_group=group)
             return written(_starts(folder, writer.written))
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -141,7 +147,7 @@ class DCPState:
             staged = stager.stage(state)  # DTensors stay DTensors, their shards copied
         finally:
             stager.close()
-        group = self._writer_group()
+        group = group or self._writer_group()
 
         def write() -> dict[str, list[int]]:
             # DCP's planning is collective: on its own group, beside the loop's traffic.
@@ -280,6 +286,7 @@ class TorchEngine:
         clip: Callable[[float], torch.Tensor] | None = None,
         layout: str = "",
         data_view: DataView | None = None,
+        replicas: tuple[tuple[int, ...], ...] = (),
     ):
         self.model, self.module, self.optimizer = model, module, optimizer
         self.precision, self.device, self.grad_clip = precision, device, grad_clip
@@ -298,6 +305,8 @@ class TorchEngine:
         self.skipped_steps = 0
         self.layout = layout  # the run's line on how its ranks are arranged (FSDP's mesh)
         self.data_view = data_view
+        self.replicas = replicas
+        self._replica_group: Any = None  # this rank's replica's gloo group, made on first use
 
     @property
     def eval_model(self) -> nn.Module:
@@ -354,8 +363,22 @@ class TorchEngine:
         }
         return with_frozen(held, tensor_bytes(p for p in params if not p.requires_grad))
 
-    def save(self, directory: Path, copy: bool) -> Write:
-        return self._state_io.save(directory / "engine", copy)
+    def save(self, directory: Path, copy: bool, replica: bool = False) -> Write:
+        if not replica:
+            return self._state_io.save(directory / "engine", copy)
+        if not isinstance(self._state_io, DCPState) or not self.replicas:
+            raise ValueError("this engine's state has no whole copies on groups of its ranks")
+        return self._state_io.save(directory / "engine", copy, self._replica())
+
+    def _replica(self) -> Any:
+        """Collective on first use (every rank saves together): this rank's replica's
+        gloo group, which writes its copy from a thread beside the loop's traffic."""
+        import torch.distributed as dist
+
+        if self._replica_group is None:
+            groups = [list(ranks) for ranks in self.replicas]
+            self._replica_group, _ = dist.new_subgroups_by_enumeration(groups, backend="gloo")
+        return self._replica_group
 
     def load(self, files: Files) -> None:
         self._state_io.load(files, "engine")

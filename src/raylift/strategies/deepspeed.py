@@ -340,6 +340,7 @@ class DeepSpeedEngine:
         # train.on_nan: skip with deepspeed only there); skipped_steps reads its count.
         self.skip_nonfinite = False
         self.layout = ""
+        self.replicas: tuple[tuple[int, ...], ...] = ()
         self.data_view: DataView | None = None  # data parallel: each rank reads its own rows
 
     @property
@@ -418,7 +419,9 @@ class DeepSpeedEngine:
 
     # ------------------------------------------------------------ checkpoints
 
-    def save(self, directory: Path, copy: bool) -> Write:
+    def save(self, directory: Path, copy: bool, replica: bool = False) -> Write:
+        if replica:
+            raise ValueError("ZeRO partitions the state over every rank: it has no whole copies")
         folder = directory / ENGINE_DIR
         # DeepSpeed lets rank 0 create the folder; with per-rank local folders each makes its own.
         folder.mkdir(parents=True, exist_ok=True)

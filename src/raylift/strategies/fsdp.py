@@ -149,6 +149,7 @@ def build_fsdp(
         scaler=scaler,
         inference_mode_ok=False,
         layout=layout.line(),
+        replicas=layout.replicas(),
         data_view=layout.data_view(dist.get_rank()) if layout.tp > 1 else None,
         clip=functools.partial(clip_across_meshes, list(model.parameters()))
         if layout.tp > 1

@@ -85,6 +85,18 @@ class Mesh:
             return ""
         return "(across nodes)" if self.crosses_nodes(dim) else "(within a node)"
 
+    def replicas(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of each whole copy of the state, where each copy is one node's ranks
+        and each node holds one (HSDP by node); () otherwise, where no node's ranks hold
+        the whole state among themselves."""
+        if not self.hsdp:
+            return ()
+        copies = [sorted(row) for row in _rows(self.order, self.replicate)]
+        homes = [{self.nodes[r] for r in ranks} for ranks in copies]
+        if any(len(h) != 1 for h in homes) or len(set().union(*homes)) != len(copies):
+            return ()
+        return tuple(tuple(ranks) for ranks in copies)
+
     def data_view(self, rank: int) -> DataView:
         """Which data ``rank`` reads: its tensor-parallel group's rows, as one reader of
         ``replicate x shard`` (the group's ranks all see the same batches)."""
@@ -98,6 +110,11 @@ class Mesh:
 
         grid = torch.tensor(self.order).view(self.replicate, self.shard, self.tp)
         return DeviceMesh(device_type, grid, mesh_dim_names=DIMS)
+
+
+def _rows(order: Sequence[int], n: int) -> list[list[int]]:
+    size = len(order) // n
+    return [list(order[i * size : (i + 1) * size]) for i in range(n)]
 
 
 def by_node(nodes: Sequence[str]) -> tuple[int, ...]:

@@ -171,7 +171,8 @@ def listing(directory: str) -> dict[str, Listed]:
     :class:`CheckpointError` unless every rank finished and every file has its size
     (one listing of the folder, no file's bytes read but the records')."""
     state = read_loop_state(directory)
-    world = int(state.get("world_size", 1))
+    # The parts' count: the world's, or one replica's where each wrote a whole copy.
+    world = int(state.get("writers", state.get("world_size", 1)))
     sizes = dict(storage.files_under(directory))
     files: dict[str, Listed] = {}
     for rank in range(world):

@@ -14,6 +14,7 @@ from typing import Any
 
 from raylift.core import hub
 from raylift.core.config import AUTO, Config, ConfigError, build_config, read_config
+from raylift.core.parsing import read_yaml
 from raylift.strategies import REGISTRY, config_problems
 from raylift.tasks import task_problems
 from raylift.tensors.precision import ACCEPTED
@@ -49,18 +50,34 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 HUB_TASKS = ("hf-causal-lm", "hf-sft")
 
 
-def pin_hub_names(cfg: Config) -> tuple[Config, str]:
+def pin_hub_names(cfg: Config, recorded: object = None) -> tuple[Config, str]:
     """``cfg`` with a Hub ``task_args.model`` pinned to the commit its revision names now,
     so that every process of the run reads that one; and the line that says so ("" where
-    nothing was pinned). Raises :class:`ConfigError` with the Hub's refusal."""
+    nothing was pinned). ``recorded``: the ``task_args.model`` the run folder's config
+    holds, where the run resumes: the commit the run read before is read again, unless
+    the config names a commit of its own. Raises :class:`ConfigError` with the Hub's refusal."""
     model = cfg.task_args.get("model")
     ref = hub.parse(model) if cfg.task in HUB_TASKS and isinstance(model, str) else None
     if ref is None:
         return cfg, ""
+    before = hub.parse(recorded) if isinstance(recorded, str) else None
+    again = before is not None and before.pinned and before.repo == ref.repo and not ref.pinned
     try:
-        pinned = hub.pin(ref, "task_args.model")
+        pinned = hub.pin(before if again and before else ref, "task_args.model")
     except hub.HubError as exc:
         raise ConfigError([str(exc)]) from None
     args = {**cfg.task_args, "model": str(pinned)}
     line = f"raylift: task_args.model {ref} is the Hub's commit {pinned.revision}"
+    if again:
+        line = (
+            f"raylift: task_args.model {ref}: resuming on the commit this run read, "
+            f"{pinned.revision} (name another commit, {ref.repo}@<commit>, to move it)"
+        )
     return dataclasses.replace(cfg, task_args=args), line
+
+
+def recorded_model(run_dir: str) -> object:
+    """The ``task_args.model`` a run folder's config recorded; None where it has none."""
+    raw, problems = read_yaml(run_dir)
+    args = raw.get("task_args") if not problems else None
+    return args.get("model") if isinstance(args, dict) else None

@@ -46,7 +46,7 @@ from raylift.tasks import build_task
 from raylift.tensors.checkpoints import checkpoint_dirs
 from raylift.tensors.preflight import check_for_config
 from raylift.tensors.weights import absolute as weights_absolute
-from raylift.validation import pin_hub_names
+from raylift.validation import pin_hub_names, recorded_model
 
 
 class RunFailed(RuntimeError):
@@ -253,7 +253,9 @@ def _train(
     log(f"raylift: MLflow tracking at {uri} (experiment {cfg.tracking.experiment!r})")
     if service is None and (problem := tracking.server_problem(uri)):
         raise EnvironmentProblem(problem)
-    cfg, pinned = pin_hub_names(cfg)  # one commit for every process, this run's record
+    run_dir = storage.join(where, cfg.name)
+    before = recorded_model(run_dir) if resume else None  # a resume reads what it read
+    cfg, pinned = pin_hub_names(cfg, before)  # one commit for every process, this run's record
     if pinned:
         log(pinned)
     manifest, cache = prepare_data(cfg, log, startup)
@@ -271,7 +273,6 @@ def _train(
         raise EnvironmentProblem("; ".join(problems))
     if held is not None:
         held.confirm()  # before anything is written to the run's folder
-    run_dir = storage.join(where, cfg.name)
     recorded = record_config(cfg, run_dir)
     cfg = mlmodel.fetch_weights(cfg, run_dir, uri, log)  # models:/... into the run's folder
     trial = service is not None  # a sweep's trial: the sweep logs the best trial's model

@@ -91,6 +91,10 @@ def test_a_hub_id_is_told_from_a_path() -> None:
                  "org/name@"):  # fmt: skip
         assert hubs.parse(path) is None, path
     assert hubs.parse(str(REPO / "configs")) is None  # an existing folder is a folder
+    # The MLflow run's tags name what was read: a pinned ID only.
+    assert hubs.tags(f"org/name@{sha}") == {"raylift.hub.model": "org/name",
+                                            "raylift.hub.commit": sha}  # fmt: skip
+    assert hubs.tags("org/name@main") == hubs.tags("/models/x") == hubs.tags(None) == {}
 
 
 def test_the_driver_pins_a_branch_to_one_commit_that_a_push_does_not_change(

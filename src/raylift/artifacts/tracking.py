@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from raylift.core import hub
 from raylift.core.config import Config
 from raylift.core.parsing import flatten
 
@@ -282,6 +283,7 @@ def _start_run(
         "raylift.world_size": str(world_size),
         "raylift.task": cfg.task,
         "mlflow.runName": cfg.name,
+        **hub.tags(cfg.task_args.get("model")),  # what the run read: its ID and commit
         **(extra_tags or {}),
     }
     if run_id is None:

@@ -66,6 +66,15 @@ class HubRef:
         return f"{base}/{path}" if path else base
 
 
+def tags(name: object) -> dict[str, str]:
+    """The MLflow tags of a model read from the Hub at one commit (``org/name@<commit>``,
+    as the driver pins it): its ID and the commit; none for anything else."""
+    ref = parse(name) if isinstance(name, str) else None
+    if ref is None or not ref.pinned:
+        return {}
+    return {"raylift.hub.model": ref.repo, "raylift.hub.commit": str(ref.revision)}
+
+
 def parse(name: str) -> HubRef | None:
     """``name`` as a Hub reference (``org/name``, ``org/name@rev``, ``hf://org/name@rev``),
     or None where it is not one: a local path that exists, or another URI, stays a path."""

@@ -14,6 +14,7 @@ from typing import Any
 
 from raylift.core import hub
 from raylift.core.config import AUTO, Config, ConfigError, build_config, read_config
+from raylift.core.names import is_mlflow_uri
 from raylift.core.parsing import read_yaml
 from raylift.strategies import REGISTRY, config_problems
 from raylift.tasks import task_problems
@@ -51,21 +52,34 @@ HUB_TASKS = ("hf-causal-lm", "hf-sft")
 
 
 def pin_hub_names(cfg: Config, recorded: object = None) -> tuple[Config, str]:
-    """``cfg`` with a Hub ``task_args.model`` pinned to the commit its revision names now,
-    so that every process of the run reads that one; and the line that says so ("" where
-    nothing was pinned). ``recorded``: the ``task_args.model`` the run folder's config
-    holds, where the run resumes: the commit the run read before is read again, unless
-    the config names a commit of its own. Raises :class:`ConfigError` with the Hub's refusal."""
+    """``cfg`` with every Hub name in it (``task_args.model``, ``model.weights``,
+    ``model.adapter.weights``) pinned to the commit its revision names now, so that every
+    process of the run reads that one; and the lines that say so ("" where nothing was
+    pinned). ``recorded``: the ``task_args.model`` the run folder's config holds, where
+    the run resumes: the commit the run read before is read again, unless the config
+    names a commit of its own. Raises :class:`ConfigError` with the Hub's refusal."""
+    cfg, said = _pin_model(cfg, recorded)
+    lines = [said] if said else []
+    weights, said = _pin_uri(cfg.model.weights, "model.weights")
+    lines += [said] if said else []
+    adapter, said = _pin_uri(cfg.model.adapter.weights, "model.adapter.weights")
+    lines += [said] if said else []
+    if lines and (weights, adapter) != (cfg.model.weights, cfg.model.adapter.weights):
+        pinned = dataclasses.replace(cfg.model.adapter, weights=adapter)
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, weights=weights, adapter=pinned)
+        )
+    return cfg, "\n".join(lines)
+
+
+def _pin_model(cfg: Config, recorded: object) -> tuple[Config, str]:
     model = cfg.task_args.get("model")
     ref = hub.parse(model) if cfg.task in HUB_TASKS and isinstance(model, str) else None
     if ref is None:
         return cfg, ""
     before = hub.parse(recorded) if isinstance(recorded, str) else None
     again = before is not None and before.pinned and before.repo == ref.repo and not ref.pinned
-    try:
-        pinned = hub.pin(before if again and before else ref, "task_args.model")
-    except hub.HubError as exc:
-        raise ConfigError([str(exc)]) from None
+    pinned = _pinned(before if again and before else ref, "task_args.model")
     args = {**cfg.task_args, "model": str(pinned)}
     line = f"raylift: task_args.model {ref} is the Hub's commit {pinned.revision}"
     if again:
@@ -74,6 +88,23 @@ def pin_hub_names(cfg: Config, recorded: object = None) -> tuple[Config, str]:
             f"{pinned.revision} (name another commit, {ref.repo}@<commit>, to move it)"
         )
     return dataclasses.replace(cfg, task_args=args), line
+
+
+def _pin_uri(value: str | None, key: str) -> tuple[str | None, str]:
+    """A Hub name of weights as the URI of one commit (``hf://org/name@<commit>``), which
+    every reader of weights opens as it opens an object store's; other values as they are."""
+    ref = hub.parse(value) if value and not is_mlflow_uri(value) else None
+    if ref is None:
+        return value, ""
+    pinned = _pinned(ref, key)
+    return pinned.uri(), f"raylift: {key} {ref} is the Hub's commit {pinned.revision}"
+
+
+def _pinned(ref: hub.HubRef, key: str) -> hub.HubRef:
+    try:
+        return hub.pin(ref, key)
+    except hub.HubError as exc:
+        raise ConfigError([str(exc)]) from None
 
 
 def recorded_model(run_dir: str) -> object:

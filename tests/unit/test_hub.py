@@ -179,6 +179,41 @@ def test_the_weights_are_read_from_the_hub_as_save_pretrained_wrote_them(
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_weights_and_adapters_named_by_hub_ids_are_pinned_and_checked_where_they_are(
+    hub: HubServer, zoo: Path, tmp_path: Path
+) -> None:
+    """``model.weights`` and ``model.adapter.weights`` as Hub IDs: each pinned to one
+    commit as an ``hf://`` URI, and the driver's check reads the weights' header and the
+    adapters' config and header from the Hub, as it does from an object store."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from raylift.tensors.preflight import check_for_config
+
+    adapters = tmp_path / "lora"
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    get_peft_model(AutoModelForCausalLM.from_pretrained(zoo), lora).save_pretrained(adapters)
+    hub.add_repo("org/tied-llama-lora", adapters)
+    adapter = {"type": "lora", "r": 4, "alpha": 8, "weights": "org/tied-llama-lora"}
+    cfg = make_config(task="hf-causal-lm", task_args={"model": str(zoo), "block_size": 32},
+                      model={"weights": LLAMA, "adapter": adapter})  # fmt: skip
+    pinned, said = pin_hub_names(cfg)
+    commits = hub.resolve(LLAMA), hub.resolve("org/tied-llama-lora")
+    assert pinned.model.weights == f"hf://{LLAMA}@{commits[0]}"
+    assert pinned.model.adapter.weights == f"hf://org/tied-llama-lora@{commits[1]}"
+    assert said.splitlines() == [
+        f"raylift: model.weights {LLAMA} is the Hub's commit {commits[0]}",
+        f"raylift: model.adapter.weights org/tied-llama-lora is the Hub's commit {commits[1]}",
+    ]
+    hub.reset_stats()
+    check_for_config(pinned, build_task(pinned.task, pinned.task_args))
+    assert hub.served("org/tied-llama-lora", "adapter_config.json") > 0
+    assert 0 < hub.served(LLAMA, "model.safetensors") <= 2 * (hubs.READ_AHEAD + 8 + 64 * 1024)
+    wrong = make_config(model={"weights": "org/no-such-weights"})
+    with pytest.raises(ConfigError, match=r"model\.weights: no model 'org/no-such-weights'"):
+        pin_hub_names(wrong)
+
+
 @pytest.mark.parametrize(
     ("model", "said"),
     [

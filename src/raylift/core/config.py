@@ -333,8 +333,9 @@ class AdapterConfig:
     # above; not one whose weight another module shares (a tied head)
     modules_to_save: list[str] = dataclasses.field(default_factory=list)
     # adapters to start from instead of a fresh draw: a PEFT folder (adapter_config.json,
-    # adapter_model.safetensors; local or a URI) or the MLflow model of a run that
-    # trained adapters (models:/NAME/VERSION, runs:/RUN_ID/model), on the same base
+    # adapter_model.safetensors; local, a URI or a Hub ID: org/name, org/name@rev) or the
+    # MLflow model of a run that trained adapters (models:/NAME/VERSION,
+    # runs:/RUN_ID/model), on the same base
     weights: str | None = None
 
     def problems(self) -> list[str]:
@@ -380,7 +381,8 @@ class AdapterConfig:
 class ModelConfig:
     # Pretrained weights: a .safetensors file, or a folder with model.safetensors or a
     # sharded Hugging Face checkpoint (model.safetensors.index.json), local or a folder's
-    # URI; or an MLflow model: models:/NAME/VERSION, runs:/RUN_ID/model.
+    # URI; a Hub ID (org/name, org/name@rev: read at one commit); or an MLflow model:
+    # models:/NAME/VERSION, runs:/RUN_ID/model.
     weights: str | None = None
     # adapters trained on the frozen model (LoRA), rather than every parameter
     adapter: AdapterConfig = dataclasses.field(default_factory=AdapterConfig)

@@ -41,6 +41,7 @@ SMALL_FILES = [
     "added_tokens.json",
     "chat_template*",
     "*.model",  # sentencepiece
+    "adapter_config.json",  # a PEFT adapter's (model.adapter.weights)
 ]
 
 

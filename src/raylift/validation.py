@@ -51,20 +51,20 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
 HUB_TASKS = ("hf-causal-lm", "hf-sft")
 
 
-def pin_hub_names(cfg: Config, recorded: object = None) -> tuple[Config, str]:
+def pin_hub_names(cfg: Config, recorded: Mapping[str, Any] | None = None) -> tuple[Config, str]:
     """``cfg`` with every Hub name in it (``task_args.model``, ``model.weights``,
-    ``model.adapter.weights``) pinned to the commit its revision names now, so that every
-    process of the run reads that one; and the lines that say so ("" where nothing was
-    pinned). ``recorded``: the ``task_args.model`` the run folder's config holds, where
-    the run resumes: the commit the run read before is read again, unless the config
-    names a commit of its own. Raises :class:`ConfigError` with the Hub's refusal."""
-    cfg, said = _pin_model(cfg, recorded)
-    lines = [said] if said else []
+    ``model.adapter.weights``, and ``hf-sft``'s data sets ``task_args.data`` and
+    ``val_data``) pinned to the commit its revision names now, so that every process of
+    the run reads that one; and the lines that say so ("" where nothing was pinned).
+    ``recorded``: the ``task_args`` the run folder's config holds, where the run resumes:
+    the commits the run read before are read again, unless the config names commits of
+    its own. Raises :class:`ConfigError` with the Hub's refusal."""
+    cfg, lines = _pin_args(cfg, recorded or {})
     weights, said = _pin_uri(cfg.model.weights, "model.weights")
     lines += [said] if said else []
     adapter, said = _pin_uri(cfg.model.adapter.weights, "model.adapter.weights")
     lines += [said] if said else []
-    if lines and (weights, adapter) != (cfg.model.weights, cfg.model.adapter.weights):
+    if (weights, adapter) != (cfg.model.weights, cfg.model.adapter.weights):
         pinned = dataclasses.replace(cfg.model.adapter, weights=adapter)
         cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, weights=weights, adapter=pinned)
@@ -72,22 +72,30 @@ def pin_hub_names(cfg: Config, recorded: object = None) -> tuple[Config, str]:
     return cfg, "\n".join(lines)
 
 
-def _pin_model(cfg: Config, recorded: object) -> tuple[Config, str]:
-    model = cfg.task_args.get("model")
-    ref = hub.parse(model) if cfg.task in HUB_TASKS and isinstance(model, str) else None
-    if ref is None:
-        return cfg, ""
-    before = hub.parse(recorded) if isinstance(recorded, str) else None
-    again = before is not None and before.pinned and before.repo == ref.repo and not ref.pinned
-    pinned = _pinned(before if again and before else ref, "task_args.model")
-    args = {**cfg.task_args, "model": str(pinned)}
-    line = f"raylift: task_args.model {ref} is the Hub's commit {pinned.revision}"
-    if again:
-        line = (
-            f"raylift: task_args.model {ref}: resuming on the commit this run read, "
+def _hub_args(task: str) -> dict[str, str]:
+    """The task arguments that may name a Hub repo, and the kind of repo each names."""
+    names = {"model": "model"} if task in HUB_TASKS else {}
+    return {**names, "data": "dataset", "val_data": "dataset"} if task == "hf-sft" else names
+
+
+def _pin_args(cfg: Config, recorded: Mapping[str, Any]) -> tuple[Config, list[str]]:
+    args, lines = dict(cfg.task_args), []
+    for name, kind in _hub_args(cfg.task).items():
+        value, before = args.get(name), recorded.get(name)
+        ref = hub.parse(value, kind) if isinstance(value, str) else None
+        if ref is None:
+            continue
+        was = hub.parse(before, kind) if isinstance(before, str) else None
+        again = was is not None and was.pinned and was.repo == ref.repo and not ref.pinned
+        pinned = _pinned(was if again and was else ref, f"task_args.{name}")
+        args[name] = str(pinned)
+        lines.append(
+            f"raylift: task_args.{name} {ref}: resuming on the commit this run read, "
             f"{pinned.revision} (name another commit, {ref.repo}@<commit>, to move it)"
+            if again
+            else f"raylift: task_args.{name} {ref} is the Hub's commit {pinned.revision}"
         )
-    return dataclasses.replace(cfg, task_args=args), line
+    return (dataclasses.replace(cfg, task_args=args) if lines else cfg), lines
 
 
 def _pin_uri(value: str | None, key: str) -> tuple[str | None, str]:
@@ -107,8 +115,8 @@ def _pinned(ref: hub.HubRef, key: str) -> hub.HubRef:
         raise ConfigError([str(exc)]) from None
 
 
-def recorded_model(run_dir: str) -> object:
-    """The ``task_args.model`` a run folder's config recorded; None where it has none."""
+def recorded_args(run_dir: str) -> dict[str, Any]:
+    """The ``task_args`` a run folder's config recorded; {} where it has none."""
     raw, problems = read_yaml(run_dir)
     args = raw.get("task_args") if not problems else None
-    return args.get("model") if isinstance(args, dict) else None
+    return dict(args) if isinstance(args, dict) else {}

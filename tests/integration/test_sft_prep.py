@@ -79,3 +79,72 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
     err = capsys.readouterr().err
     assert f"{bad}:1: no 'completion'" in err and "max_bad_fraction" in err, err
     assert not (tmp_path / "bad").exists()
+
+
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train_sft
+    path: data/train_sft-*
+  - split: test_sft
+    path: data/test_sft-*
+---
+# Chats to repeat
+"""
+
+
+def parquet_of(rows: list[dict]) -> bytes:
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out.getvalue()
+
+
+def test_prep_reads_a_chat_data_set_named_by_its_hub_id_at_one_commit(
+    ray_cluster: str, in_tmp: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """``task_args.data: org/chats`` with ``split`` and ``val_split``: the card's files of
+    each split, read through Ray Data from the Hub (a server on 127.0.0.1) at the commit
+    the name had, and a split the card lacks refused in one line naming those it has."""
+    from raylift.data.manifest import column_total, head
+    from tests.chats import conversation, triples
+    from tests.hub_server import HubServer
+
+    tmp_path = in_tmp
+    model_folder(tmp_path / "model")
+    train, held = triples()
+    chats = {"train_sft-00000-of-00002": train[:60], "train_sft-00001-of-00002": train[60:120],
+             "test_sft-00000-of-00001": held[:20]}  # fmt: skip
+    files = {f"data/{name}.parquet": parquet_of([conversation(w, None) for w in words])
+             for name, words in chats.items()}  # fmt: skip
+    with HubServer(tmp_path / "hub") as hub:
+        hub.use(monkeypatch, tmp_path / "hf-home")
+        commit = hub.add_repo("org/chats", {"README.md": CARD.encode(), **files},
+                              repo_type="dataset")  # fmt: skip
+        (tmp_path / "hub.yaml").write_text(
+            f"task: hf-sft\ntask_args: {{model: {tmp_path / 'model'}, data: org/chats, "
+            "split: train_sft, val_split: test_sft, block_size: 256}\ndata: {batch_size: 4}\n"
+        )
+        args = [str(tmp_path / "hub.yaml"), f"data.shards={tmp_path / 'hub-shards'}"]
+        assert cli_main(["prep", *args, "--show", "1"]) == 0
+        out = capsys.readouterr().out
+        read = {r.revision for r in hub.requests if (r.file or "").endswith(".parquet")}
+        assert cli_main(["prep", *args, "task_args.split=nope"]) == 2
+        err = capsys.readouterr().err
+    assert f"hf://datasets/org/chats@{commit}/data/train_sft-00000-of-00002.parquet" in out, out
+    assert read == {commit}, read  # every read of the data at the one commit
+    manifest = open_shards(str(tmp_path / "hub-shards"), None)
+    assert head(manifest, "val", 100)["examples"].sum() == 20
+    assert column_total(manifest, "examples") == 120 + 20
+    said = err.strip().splitlines()[-1]
+    assert said.endswith(
+        "org/chats has no .parquet, .jsonl or .json files for split 'nope'; its card names "
+        "the splits test_sft, train_sft; set task_args.split (and task_args.subset) to one "
+        "it has"
+    ), err

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from raylift.core import hub as hubs
 from raylift.core.config import ConfigError
 from raylift.tasks import build_task
-from raylift.validation import pin_hub_names, recorded_model
+from raylift.validation import pin_hub_names, recorded_args
 from tests.helpers import make_config
 from tests.hub_server import HubServer
 
@@ -124,16 +124,16 @@ def test_the_driver_pins_a_branch_to_one_commit_that_a_push_does_not_change(
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
-    resumed, said = pin_hub_names(hf_config(LLAMA), recorded_model(str(run)))  # type: ignore[arg-type]
+    resumed, said = pin_hub_names(hf_config(LLAMA), recorded_args(str(run)))  # type: ignore[arg-type]
     assert resumed.task_args["model"] == f"{LLAMA}@{first}"
     assert said == (
         f"raylift: task_args.model {LLAMA}: resuming on the commit this run read, {first} "
         f"(name another commit, {LLAMA}@<commit>, to move it)"
     )
     # A commit named by the config moves it; another model is pinned as new.
-    moved, _ = pin_hub_names(hf_config(f"{LLAMA}@{second}"), f"{LLAMA}@{first}")  # type: ignore[arg-type]
+    moved, _ = pin_hub_names(hf_config(f"{LLAMA}@{second}"), {"model": f"{LLAMA}@{first}"})  # type: ignore[arg-type]
     assert moved.task_args["model"] == f"{LLAMA}@{second}"
-    assert recorded_model(str(tmp_path / "nowhere")) is None
+    assert recorded_args(str(tmp_path / "nowhere")) == {}
 
 
 @pytest.mark.parametrize("name", [LLAMA, WIDE])

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 # A Hub repo ID as huggingface_hub validates one: one slash, no path beyond it.
@@ -53,6 +54,12 @@ class HubError(ValueError):
 class HubRef:
     repo: str
     revision: str | None = None  # None: the repo's default branch
+    kind: str = "model"  # or "dataset": a data set's repo
+
+    @property
+    def files_wanted(self) -> list[str]:
+        """What is fetched whole into the cache: a model's small files, a data set's card."""
+        return SMALL_FILES if self.kind == "model" else ["README.md"]
 
     @property
     def pinned(self) -> bool:
@@ -62,8 +69,9 @@ class HubRef:
         return self.repo if self.revision is None else f"{self.repo}@{self.revision}"
 
     def uri(self, path: str = "") -> str:
-        """``hf://repo@revision/path``: the form raylift's storage reads."""
-        base = f"{SCHEME}{self}"
+        """``hf://repo@revision/path`` (``hf://datasets/...`` for a data set's): the form
+        raylift's storage reads."""
+        base = f"{SCHEME}{'datasets/' if self.kind == 'dataset' else ''}{self}"
         return f"{base}/{path}" if path else base
 
 
@@ -76,18 +84,21 @@ def tags(name: object) -> dict[str, str]:
     return {"raylift.hub.model": ref.repo, "raylift.hub.commit": str(ref.revision)}
 
 
-def parse(name: str) -> HubRef | None:
-    """``name`` as a Hub reference (``org/name``, ``org/name@rev``, ``hf://org/name@rev``),
-    or None where it is not one: a local path that exists, or another URI, stays a path."""
+def parse(name: str, kind: str = "model") -> HubRef | None:
+    """``name`` as a Hub reference (``org/name``, ``org/name@rev``, ``hf://org/name@rev``,
+    ``hf://datasets/org/name@rev``; ``kind``: what a bare name is), or None where it is
+    not one: a local path that exists, or another URI, stays a path."""
     text = str(name)
     if text.startswith(SCHEME):
         text = text[len(SCHEME) :]
+        if text.startswith("datasets/"):
+            text, kind = text[len("datasets/") :], "dataset"
     elif "://" in text or os.path.exists(text) or text.startswith((".", "/", "~")):
         return None
     repo, _, revision = text.partition("@")
     if not _ID.match(repo) or (_ and not revision):
         return None
-    return HubRef(repo, revision or None)
+    return HubRef(repo, revision or None, kind)
 
 
 @contextlib.contextmanager
@@ -130,7 +141,8 @@ def pin(ref: HubRef, key: str) -> HubRef:
     if ref.pinned:
         return ref
     folder = small_files(ref, key)
-    return HubRef(ref.repo, os.path.basename(os.path.normpath(folder)))  # the commit
+    commit = os.path.basename(os.path.normpath(folder))
+    return dataclasses.replace(ref, revision=commit)
 
 
 def _cached(ref: HubRef, key: str) -> str:
@@ -143,8 +155,9 @@ def _cached(ref: HubRef, key: str) -> str:
                 snapshot_download(
                     ref.repo,
                     revision=ref.revision,
+                    repo_type=ref.kind,
                     local_files_only=True,
-                    allow_patterns=SMALL_FILES,
+                    allow_patterns=ref.files_wanted,
                 )
             )
     except Exception:
@@ -174,8 +187,9 @@ def explain(exc: Exception, ref: HubRef, key: str) -> str:
     if isinstance(exc, errors.RepositoryNotFoundError):
         private = " (or it is private and HF_TOKEN has no access)" if not _has_token() else ""
         return (
-            f"{key}: no model {ref.repo!r} on the Hugging Face Hub{where}{private}; check "
-            "the name, or give a local folder"
+            f"{key}: no {ref.kind.replace('data', 'data ')} {ref.repo!r} on the Hugging Face "
+            f"Hub{where}{private}; check the name, or give a local "
+            f"{'folder' if ref.kind == 'model' else 'file or folder'}"
         )
     return f"{key}: cannot reach the Hugging Face Hub{where} for {ref}: {_first_line(exc)}"
 
@@ -205,7 +219,11 @@ def small_files(ref: HubRef, key: str) -> str:
         with _quiet():
             return str(
                 snapshot_download(
-                    ref.repo, revision=ref.revision, allow_patterns=SMALL_FILES, endpoint=endpoint()
+                    ref.repo,
+                    revision=ref.revision,
+                    repo_type=ref.kind,
+                    allow_patterns=ref.files_wanted,
+                    endpoint=endpoint(),
                 )
             )
     except Exception as exc:
@@ -223,3 +241,81 @@ def filesystem() -> Any:
     from huggingface_hub import HfFileSystem
 
     return HfFileSystem(endpoint=endpoint(), block_size=READ_AHEAD)
+
+
+# Where a data set's split is when its card names no files for it: the layouts
+# ``push_to_hub`` and the Hub's own conventions use.
+SPLIT_LAYOUTS = ("data/{split}-*", "{split}-*", "data/{split}/*", "{split}/*", "**/{split}.*")
+DATA_FILES = (".parquet", ".jsonl", ".json")
+
+
+def data_files(ref: HubRef, split: str, subset: str | None, key: str) -> list[str]:
+    """The files of a pinned data set's ``split`` (of its ``subset``, the card's config),
+    as ``hf://datasets/...`` globs: every pattern the card's ``configs`` names for it,
+    else the first of the Hub's usual layouts that holds files. HubError naming the
+    splits the card has where none match."""
+    named = card_configs(os.path.join(small_files(ref, key), "README.md"))
+    fs, base = filesystem(), f"datasets/{ref}"
+
+    def holds(pattern: str) -> bool:
+        return any(f.endswith(DATA_FILES) for f in fs.glob(f"{base}/{pattern}"))
+
+    patterns = [p for p in split_patterns(named, subset, split) if holds(p)]
+    if not patterns:
+        layouts = (p.format(split=split) for p in SPLIT_LAYOUTS)
+        patterns = [p for p in layouts if holds(p)][:1]
+    if patterns:
+        return [ref.uri(p) for p in patterns]
+    splits = sorted({s for files in named.values() for s in files})
+    have = f"; its card names the splits {', '.join(splits)}" if splits else ""
+    of = f" of subset {subset!r}" if subset else ""
+    raise HubError(
+        f"{key}: {ref.repo} has no .parquet, .jsonl or .json files for split {split!r}{of}"
+        f"{have}; set task_args.split (and task_args.subset) to one it has"
+    )
+
+
+def card_configs(card: str) -> dict[str, dict[str, list[str]]]:
+    """A data set card's ``configs``: config name -> split -> file patterns."""
+    import yaml
+
+    try:
+        text = Path(card).read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    head = text.split("---")[1] if text.startswith("---") and text.count("---") >= 2 else ""
+    try:
+        meta = yaml.safe_load(head) or {}
+    except yaml.YAMLError:
+        return {}
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    out: dict[str, dict[str, list[str]]] = {}
+    for config in configs if isinstance(configs, list) else []:
+        if isinstance(config, dict):
+            name = str(config.get("config_name", "default"))
+            out[name] = _by_split(config.get("data_files"))
+    return out
+
+
+def _by_split(files: Any) -> dict[str, list[str]]:
+    """``data_files`` in any of the card's forms: a pattern or a list of them (all of
+    ``train``), a mapping, or a list of ``{split, path}``."""
+    if isinstance(files, dict):
+        return {str(k): _listed(v) for k, v in files.items()}
+    if isinstance(files, list) and files and all(isinstance(f, dict) for f in files):
+        return {str(f["split"]): _listed(f.get("path", [])) for f in files if "split" in f}
+    return {"train": _listed(files)} if files else {}
+
+
+def _listed(patterns: Any) -> list[str]:
+    return [str(p) for p in patterns] if isinstance(patterns, list) else [str(patterns)]
+
+
+def split_patterns(
+    named: dict[str, dict[str, list[str]]], subset: str | None, split: str
+) -> list[str]:
+    """The card's patterns of ``split`` in ``subset`` (by default its only config, or
+    ``default``); [] where the card names none."""
+    if subset is None:
+        subset = next(iter(named)) if len(named) == 1 else "default"
+    return named.get(subset, {}).get(split, [])

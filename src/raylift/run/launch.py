@@ -46,7 +46,7 @@ from raylift.tasks import build_task
 from raylift.tensors.checkpoints import checkpoint_dirs
 from raylift.tensors.preflight import check_for_config
 from raylift.tensors.weights import absolute as weights_absolute
-from raylift.validation import pin_hub_names, recorded_model
+from raylift.validation import pin_hub_names, recorded_args
 
 
 class RunFailed(RuntimeError):
@@ -254,7 +254,7 @@ def _train(
     if service is None and (problem := tracking.server_problem(uri)):
         raise EnvironmentProblem(problem)
     run_dir = storage.join(where, cfg.name)
-    before = recorded_model(run_dir) if resume else None  # a resume reads what it read
+    before = recorded_args(run_dir) if resume else None  # a resume reads what it read
     cfg, pinned = pin_hub_names(cfg, before)  # one commit for every process, this run's record
     if pinned:
         log(pinned)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylift.core import hub
 from raylift.core.errors import SourceError
 from raylift.core.storage import filesystem
 from raylift.data.manifest import column_total
@@ -65,6 +66,9 @@ class HFSFT(HFCausalLM):
         val_percent: int = 5,
         val_data: str | None = None,
         max_bad_fraction: float = 0.5,
+        split: str = "train",
+        val_split: str | None = None,
+        subset: str | None = None,
     ):
         super().__init__(model=model, block_size=block_size, val_percent=val_percent)
         if self.tokenizer is None:
@@ -80,6 +84,15 @@ class HFSFT(HFCausalLM):
                 "task_args.data: the examples' file or folder (JSONL, JSON or parquet)"
             )
         self.data, self.val_data, self.format = data, val_data, format
+        # Each a list of files, folders or globs: a Hub data set's are its split's files.
+        self.train_specs = data_specs(data, split, subset, "task_args.data")
+        if val_data is None and val_split and self.train_specs != [data]:
+            self.val_data = data  # the same Hub data set's other split
+        self.val_specs = (
+            data_specs(self.val_data, val_split or split, subset, "task_args.val_data")
+            if self.val_data
+            else []
+        )
         if not 0 <= max_bad_fraction < 1:
             raise ValueError("task_args.max_bad_fraction: must be in [0, 1)")
         if packing:
@@ -93,37 +106,35 @@ class HFSFT(HFCausalLM):
     def data_version(self) -> str:
         """The data files and the tokenizer as ``hf-causal-lm`` counts them, and what turns
         rows into tokens: the template, the format, the mask and the packing."""
-        files = files_version(self._files(self.data)[1])
+        files = files_version(self._files(self.train_specs))
         val = (
-            files_version(self._files(self.val_data, "task_args.val_data")[1])
-            if self.val_data
+            files_version(self._files(self.val_specs, "task_args.val_data"))
+            if self.val_specs
             else "-"
         )
         how = json.dumps([self.renderer.template, self.format, self.renderer.train_on,
                           self.packing, self.long, self.block_size])  # fmt: skip
         return f"{files} {val} tokenizer {tokenizer_digest(Path(str(self.folder)))} {how}"
 
-    def _files(self, spec: str, key: str = "task_args.data") -> tuple[str, list[Any]]:
-        root, infos = corpus_infos(spec, key)
-        found = [i for i in infos if Path(i.path).suffix.lower() in DATA_SUFFIXES]
+    def _files(self, specs: list[str], key: str = "task_args.data") -> list[Any]:
+        found = []
+        for spec in specs:
+            _, infos = corpus_infos(spec, key)
+            found += [i for i in infos if Path(i.path).suffix.lower() in DATA_SUFFIXES]
         if not found:
-            raise SourceError(f"{key}: no .jsonl, .json or .parquet file in {spec}")
-        return root, found
+            raise SourceError(f"{key}: no .jsonl, .json or .parquet file in {', '.join(specs)}")
+        return found
 
     def sources(self) -> dict[str, Source]:
-        files = [i.path for i in self._files(self.data)[1]]
+        files = [i.path for i in self._files(self.train_specs)]
         if self.format == "auto":  # said once, on the driver: prep reads each row's keys
-            print(f"raylift: hf-sft: task_args.format auto: {first_format(self.data, files[0])} "
+            found = first_format(self.train_specs[0], files[0])
+            print(f"raylift: hf-sft: task_args.format auto: {found} "
                   f"(the first row's keys in {files[0]}; each row is read by its own)")  # fmt: skip
-        train = examples(self.data, files)
-        if self.val_data:
-            return {
-                "train": train,
-                "val": examples(
-                    self.val_data,
-                    [i.path for i in self._files(self.val_data, "task_args.val_data")[1]],
-                ),
-            }
+        train = examples(self.train_specs[0], files)
+        if self.val_specs:
+            held = [i.path for i in self._files(self.val_specs, "task_args.val_data")]
+            return {"train": train, "val": examples(self.val_specs[0], held)}
         split = RowSplit(train, "record", self.val_percent, f"task_args.data {self.data}")
         return {"train": split, "val": split}
 
@@ -231,6 +242,19 @@ def check_packed_attention() -> None:
             f"task_args.packing: transformers {transformers.__version__} does not keep packed "
             "examples apart (4.54 or newer does); upgrade it, or set task_args.packing: false"
         ) from None
+
+
+def data_specs(spec: str, split: str, subset: str | None, key: str) -> list[str]:
+    """``task_args.data`` as the files to read: a Hub data set's name (``org/name``,
+    ``org/name@rev``) as its ``split``'s files at one commit (``hf://datasets/...``);
+    a file, folder or glob, local or a URI, as it is."""
+    ref = hub.parse(spec, "dataset")
+    if ref is None:
+        return [spec]
+    try:
+        return hub.data_files(hub.pin(ref, key), split, subset, key)
+    except hub.HubError as exc:
+        raise SourceError(str(exc)) from None
 
 
 def read_template(spec: str | None) -> str | None:

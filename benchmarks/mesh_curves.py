@@ -20,6 +20,7 @@ relative difference over the 30 steps is the number, held to 1e-5.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -119,31 +120,38 @@ def rows_of(got: dict[str, dict], model: str, workers: str, runs: list[str]) -> 
     ]  # fmt: skip
 
 
-def main() -> None:
+def drive(root: Path) -> None:
+    """The driver, in a process of its own started with the Ray's environment (its
+    address and token mode are read as Ray is imported): both worker groups' jobs."""
     import ray
+
+    ray.init(logging_level="ERROR", log_to_driver=False)
+    try:
+        fit([*gpt_jobs(root), *zoo_jobs(root)[0]], workers=4, cpus=2)
+        fit(eight_jobs(root), workers=8, cpus=1)
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
     import torch
 
+    if len(sys.argv) == 3 and sys.argv[1] == "--drive":
+        drive(Path(sys.argv[2]))
+        return
     root = Path(tempfile.mkdtemp(prefix="raylift-mesh-curves-"))
     for folder in ("gpt", "eight", "zoo-ddp", "zoo-hsdp", "zoo-fsdp-tp"):
         (root / folder).mkdir()
     shell = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VIRTUAL_ENV")}
-    zoo, _ = zoo_jobs(root)
     with two_nodes(root, shell, cpus=4) as (env, _, _):
-        os.environ.update(env)  # the Ray's address and its token's mode
-        ray.init(address=env["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
-        try:
-            fit([*gpt_jobs(root), *zoo], workers=4, cpus=2)
-            fit(eight_jobs(root), workers=8, cpus=1)
-        finally:
-            ray.shutdown()
+        done = subprocess.run([sys.executable, __file__, "--drive", str(root)], env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"the runs failed (exit {done.returncode}); their output is above")
     load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
-    gpt = load(root / "gpt" / "out.pt")
-    rows = rows_of(gpt, "gpt", "2 x 2", ["hsdp", "fsdp-tp"])
-    by_strategy = {
-        Path(out).name.removeprefix("zoo-"): load(Path(out) / "train.pt") for *_, out in zoo
-    }
-    for model in by_strategy["ddp"]:
-        got = {name: runs[model] for name, runs in by_strategy.items() if model in runs}
+    rows = rows_of(load(root / "gpt" / "out.pt"), "gpt", "2 x 2", ["hsdp", "fsdp-tp"])
+    zoo = {name: load(root / f"zoo-{name}" / "train.pt") for name in ("ddp", "hsdp", "fsdp-tp")}
+    for model in zoo["ddp"]:
+        got = {name: runs[model] for name, runs in zoo.items() if model in runs}
         rows += rows_of(got, model, "2 x 2", [n for n in ("hsdp", "fsdp-tp") if n in got])
     rows += rows_of(load(root / "eight" / "out.pt"), "gpt (1 x 32)", "2 x 4", ["hsdp-tp"])
     report(rows)

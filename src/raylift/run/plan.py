@@ -22,7 +22,7 @@ from raylift.strategies.base import apply_activation_checkpointing
 from raylift.strategies.registry import TP_PER_NODE
 from raylift.strategies.tensor_parallel import HEADS, expand, plan_of, refuse_without_plan, style
 from raylift.tasks import build_task
-from raylift.tasks.base import blocks_of, tokens_per_sample
+from raylift.tasks.base import blocks_of, shaped_rows, tokens_per_sample
 from raylift.tensors.adapters import attach, trainable_numel
 from raylift.tensors.init import meta_model
 from raylift.tensors.precision import DeviceFacts, Precision, resolve_precision
@@ -152,9 +152,12 @@ def activations_per_sample(cfg: Config, checkpointing: bool) -> int:
     """Saved bytes per sample: the difference between batches of 2 and 1."""
     task = build_task(cfg.task, cfg.task_args)
 
-    sample_rows = task.preprocess(sample(task.sources()["train"], 8))
-    one = {k: torch.from_numpy(v[:1].copy()) for k, v in sample_rows.items()}
-    two = {k: torch.from_numpy(v[:2].copy()) for k, v in sample_rows.items()}
+    rows = shaped_rows(task, 8)
+    if rows is None:
+        rows = task.preprocess(sample(task.sources()["train"], 8))
+    numbers = {k: v for k, v in rows.items() if v.dtype != object}  # not the rows' errors
+    one = {k: torch.from_numpy(v[:1].copy()) for k, v in numbers.items()}
+    two = {k: torch.from_numpy(v[:2].copy()) for k, v in numbers.items()}
     return max(
         saved_activation_bytes(cfg, two, checkpointing)
         - saved_activation_bytes(cfg, one, checkpointing),

@@ -80,6 +80,14 @@ def tokens_per_sample(task: object) -> int:
     return int(getattr(task, "tokens_per_sample", 0) or 0)
 
 
+def shaped_rows(task: object, n: int) -> Columns | None:
+    """``n`` rows as ``preprocess`` makes them, of the shapes training sees, made without
+    reading any data (``raylift plan`` measures activations on them); None where the task
+    has no such optional ``shaped_rows(n)`` method (then a few real rows are read)."""
+    fn = getattr(task, "shaped_rows", None)
+    return fn(n) if callable(fn) else None
+
+
 def flops_per_sample(task: object, model: nn.Module) -> float:
     """Training FLOPs (forward + backward) of one sample, for MFU; 0 when the task does not say.
 

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from raylift.core import hub
 from raylift.core.errors import SourceError
-from raylift.core.storage import filesystem
+from raylift.core.storage import as_uri, filesystem
 from raylift.data.manifest import column_total
 from raylift.data.sources import ERROR_COLUMN, RowSplit, Source, files_version
 from raylift.tasks.base import Batch, Columns
@@ -129,8 +129,9 @@ class HFSFT(HFCausalLM):
         files = [i.path for i in self._files(self.train_specs)]
         if self.format == "auto":  # said once, on the driver: prep reads each row's keys
             found = first_format(self.train_specs[0], files[0])
+            first = as_uri(files[0], self.train_specs[0])
             print(f"raylift: hf-sft: task_args.format auto: {found} "
-                  f"(the first row's keys in {files[0]}; each row is read by its own)")  # fmt: skip
+                  f"(the first row's keys in {first}; each row is read by its own)")  # fmt: skip
         train = examples(self.train_specs[0], files)
         if self.val_specs:
             held = [i.path for i in self._files(self.val_specs, "task_args.val_data")]
@@ -182,6 +183,14 @@ class HFSFT(HFCausalLM):
             return self.renderer.encode_text(turns[0]["content"])
         return self.renderer.encode(turns)
 
+    def shaped_rows(self, n: int) -> Columns:
+        """``n`` full windows of one example each, all trained: the shape every packed
+        batch has, without reading the data set (for ``raylift plan``). One example a
+        window has the model's own positions: no ``position_ids``, so the model does not
+        look for packed examples in them (which the meta device plan runs on cannot)."""
+        window = np.ones((n, self.block_size), dtype=np.int64)
+        return {"input_ids": window, "labels": window.copy(), "example": window.copy()}
+
     def transform(self, columns: Columns, rng: np.random.Generator) -> Columns:
         """``packing: false``: the batch cut to its longest example (each sits at the
         start of its window), not padded to ``block_size``."""
@@ -193,7 +202,7 @@ class HFSFT(HFCausalLM):
     # ------------------------------------------------------------ steps
 
     def finish(self, batch: Batch, dtype: torch.dtype) -> Batch:
-        return {k: batch[k].long() for k in COLUMNS}
+        return {k: batch[k].long() for k in COLUMNS if k in batch}
 
     def logits(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         return self._forward(model, batch).logits
@@ -201,9 +210,10 @@ class HFSFT(HFCausalLM):
     def _forward(self, model: nn.Module, batch: Batch) -> Any:
         # No attention mask: the model finds each example from its restarting position
         # ids and keeps it apart (transformers' packed-sequence masks).
-        return model(
-            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
-        )
+        positions = batch.get("position_ids")
+        if positions is None:  # raylift plan's shaped rows, on the meta device: as hf-causal-lm
+            return model(input_ids=batch["input_ids"])
+        return model(input_ids=batch["input_ids"], position_ids=positions, use_cache=False)
 
     def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         out = self._forward(model, batch)

@@ -75,6 +75,15 @@ class HubRef:
         return f"{base}/{path}" if path else base
 
 
+def at_a_commit(uri: str) -> bool:
+    """Whether ``uri`` is a Hub file at a commit (``hf://[datasets/]org/name@<commit>/...``):
+    its bytes never change, so what was read of it may be kept."""
+    if not uri.startswith(SCHEME):
+        return False
+    revision = uri.partition("@")[2].split("/", 1)[0]
+    return bool(COMMIT.match(revision))
+
+
 def tags(name: object) -> dict[str, str]:
     """The MLflow tags of a model read from the Hub at one commit (``org/name@<commit>``,
     as the driver pins it): its ID and the commit; none for anything else."""

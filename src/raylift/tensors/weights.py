@@ -19,6 +19,7 @@ worker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from raylift.core import storage
+from raylift.core import hub, storage
 from raylift.core.errors import SourceError
 from raylift.core.names import is_mlflow_uri
 from raylift.tensors.adapters import base_name, is_adapter
@@ -73,7 +74,17 @@ MAX_HEADER = 100 << 20  # bytes; safetensors refuses larger headers too
 def raw_header(path: str) -> tuple[bytes, int]:
     """A safetensors file's JSON header, as written, and the file's size: its first 8
     bytes give the header's length, then the header; two ranged reads on an object
-    store, never the tensors. ValueError where the length does not fit the file."""
+    store, never the tensors. ValueError where the length does not fit the file. A Hub
+    file at a commit never changes: its header is read once a process."""
+    return _kept_header(path, hub.endpoint()) if hub.at_a_commit(path) else _read_header(path)
+
+
+@functools.lru_cache(maxsize=256)
+def _kept_header(path: str, endpoint: str | None) -> tuple[bytes, int]:
+    return _read_header(path)  # by the Hub it was read from, too: a mirror is another
+
+
+def _read_header(path: str) -> tuple[bytes, int]:
     fs, where = storage.filesystem(path)
     with fs.open_input_file(where) as f:
         size = int.from_bytes(f.read_at(8, 0), "little")

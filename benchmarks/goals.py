@@ -133,6 +133,10 @@ def _parallelism(r: Result) -> bool:
     return bool(pairs) and all(abs(m - p) <= 0.1 * max(p, 1.0) for m, p in pairs)
 
 
+def _mesh_curves(r: Result) -> bool:
+    return bool(r["rows"]) and max(_column(r, "max rel. diff from DDP")) <= 1e-5
+
+
 GOALS: dict[str, Goal] = {
     "overhead.py": Goal("step time <= 1.03x the hand-written loop", _overhead),
     "launch.py": Goal(
@@ -156,6 +160,9 @@ GOALS: dict[str, Goal] = {
     "log_model.py": Goal("a small share of the training"),
     "parallelism.py": Goal(
         "raylift plan within 10% of the measured bytes within and across nodes", _parallelism
+    ),
+    "mesh_curves.py": Goal(
+        "every mesh within 1e-5 of DDP in fp32 on a Ray of two nodes", _mesh_curves
     ),
     "suite.py": Goal("passes within 30 min on a fresh clone, caches empty", _suite),
     "suite.py:quick": Goal(

@@ -206,16 +206,36 @@ def _listing(nodes: Sequence[str]) -> str:
     return ", ".join(f"{n} on node {i + 1}" for i, n in enumerate(counts(nodes)))
 
 
+# The nodes of the ranks of a process group, asked once while it lives (its ranks never
+# move): the mesh, ZeRO-3's hpZ (at its model's build and at its engine's) and the wire
+# meter all ask at a start, and each asking is a collective.
+_NODES: dict[int, list[str]] = {}
+
+
 def node_of_ranks() -> list[str]:
-    """The node each rank of the process group runs on (collective). Ray's node id in a
-    Ray worker; outside Ray (a plain process group), the host name."""
+    """The node each rank of the process group runs on (collective the first time a
+    group asks). Ray's node id in a Ray worker; outside Ray (a plain process group), the
+    host name."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process, no group: a run of one worker
+        return [socket.gethostname()]
+    group = dist.group.WORLD
+    key = id(group)
+    if key not in _NODES or len(_NODES[key]) != dist.get_world_size():
+        _NODES.clear()  # an older group's: gone
+        _NODES[key] = _gathered()
+    return list(_NODES[key])
+
+
+def _gathered() -> list[str]:
     import socket
 
     import torch.distributed as dist
 
     own = socket.gethostname()
-    if not dist.is_initialized():  # one process, no group: a run of one worker
-        return [own]
     try:
         import ray
 

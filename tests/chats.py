@@ -109,3 +109,34 @@ def sft_tensors(task: Any, path: Path) -> dict[str, dict[str, Any]]:
         cols.pop(ERROR_COLUMN)
         out[split] = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cols.items()}
     return out
+
+
+# A chat data set's card as the Hub shows it (``HuggingFaceH4/ultrachat_200k``'s layout):
+# its splits' files named by its ``configs``.
+CARD = """---
+configs:
+- config_name: default
+  data_files:
+  - split: train_sft
+    path: data/train_sft-*
+  - split: test_sft
+    path: data/test_sft-*
+---
+# Chats to repeat
+"""
+
+
+def chat_parquet(split_words: dict[str, list[tuple[str, ...]]]) -> dict[str, bytes]:
+    """A chat data set's files as a Hub repo holds them: ``{"data/NAME.parquet": bytes}``
+    for each of ``split_words``' names (``train_sft-00000-of-00001``), a conversation a row."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = {}
+    for name, words in split_words.items():
+        out = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist([conversation(w, None) for w in words]), out)
+        files[f"data/{name}.parquet"] = out.getvalue()
+    return files

@@ -81,30 +81,6 @@ def test_prep_packs_a_chat_file_names_bad_rows_and_shows_what_the_loss_sees(
     assert not (tmp_path / "bad").exists()
 
 
-CARD = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train_sft
-    path: data/train_sft-*
-  - split: test_sft
-    path: data/test_sft-*
----
-# Chats to repeat
-"""
-
-
-def parquet_of(rows: list[dict]) -> bytes:
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out.getvalue()
-
-
 def test_prep_reads_a_chat_data_set_named_by_its_hub_id_at_one_commit(
     ray_cluster: str, in_tmp: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -113,7 +89,7 @@ def test_prep_reads_a_chat_data_set_named_by_its_hub_id_at_one_commit(
     each split, read through Ray Data from the Hub (a server on 127.0.0.1) at the commit
     the name had, and a split the card lacks refused in one line naming those it has."""
     from raylift.data.manifest import column_total, head
-    from tests.chats import conversation, triples
+    from tests.chats import CARD, chat_parquet, triples
     from tests.hub_server import HubServer
 
     tmp_path = in_tmp
@@ -121,8 +97,7 @@ def test_prep_reads_a_chat_data_set_named_by_its_hub_id_at_one_commit(
     train, held = triples()
     chats = {"train_sft-00000-of-00002": train[:60], "train_sft-00001-of-00002": train[60:120],
              "test_sft-00000-of-00001": held[:20]}  # fmt: skip
-    files = {f"data/{name}.parquet": parquet_of([conversation(w, None) for w in words])
-             for name, words in chats.items()}  # fmt: skip
+    files = chat_parquet(chats)
     with HubServer(tmp_path / "hub") as hub:
         hub.use(monkeypatch, tmp_path / "hf-home")
         commit = hub.add_repo("org/chats", {"README.md": CARD.encode(), **files},

@@ -5,7 +5,6 @@ card and files. So none of them can rot, and no test downloads a model."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import yaml
 pytest.importorskip("transformers")
 
 from raylift.cli import main as cli_main
-from tests.chats import conversation, model_folder, triples
+from tests.chats import CARD, chat_parquet, model_folder, triples
 from tests.hub_server import HubServer
 
 pytestmark = pytest.mark.slow
@@ -46,25 +45,6 @@ SHAPES = {
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5,
         "router_aux_loss_coef": 0.02, "tie_word_embeddings": False},
 }  # fmt: skip
-CARD = """---
-configs:
-- config_name: default
-  data_files:
-  - split: train_sft
-    path: data/train_sft-*
-  - split: test_sft
-    path: data/test_sft-*
----
-"""
-
-
-def parquet(rows: list[dict]) -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -74,16 +54,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubServer]:
     root = tmp_path_factory.mktemp("model-configs")
     tokenizer = model_folder(root / "tokenizer")
     train, held = triples()
-    chats = {"data/train_sft-00000-of-00001.parquet": train[:40],
-             "data/test_sft-00000-of-00001.parquet": held[:10]}  # fmt: skip
+    chats = {"train_sft-00000-of-00001": train[:40], "test_sft-00000-of-00001": held[:10]}
     with HubServer(root / "hub") as server, pytest.MonkeyPatch.context() as patch:
         server.use(patch, root / "hf-home")
         for repo, shape in SHAPES.items():
             files = {p.name: p for p in tokenizer.iterdir() if p.name != "config.json"}
             server.add_repo(repo, {**files, "config.json": json.dumps(shape).encode()})
-        rows = {
-            name: parquet([conversation(w, None) for w in words]) for name, words in chats.items()
-        }
+        rows = chat_parquet(chats)
         server.add_repo("HuggingFaceH4/ultrachat_200k", {"README.md": CARD.encode(), **rows},
                         repo_type="dataset")  # fmt: skip
         yield server

@@ -395,14 +395,19 @@ def train_runs(rank: int, world: int, runs: dict[str, dict], out: str) -> None:
 def stop_ray_of(temp_dir: str, timeout: float = 15.0) -> int:
     """Stop every process of the Ray started with ``--temp-dir=temp_dir`` (its GCS,
     raylets, monitor, agents and their children, fake nodes included), by pid: ``ray
-    stop`` would stop every Ray on the host. Returns how many there were."""
+    stop`` would stop every Ray on the host. The head's Ray Client server names no folder,
+    only its node: it is found by that, else it would wait out Ray's 60 s for a GCS that
+    is gone before it ends. Returns how many there were."""
     import psutil
 
     me = psutil.Process()
     spared = {me.pid, *(p.pid for p in me.parents())}  # whatever named the folder to us
     found: set[psutil.Process] = set()
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.pid not in spared and temp_dir in " ".join(proc.info["cmdline"] or []):
+    procs = [(p, " ".join(p.info["cmdline"] or [])) for p in psutil.process_iter(["cmdline"])]
+    nodes = {n for _, cmd in procs if temp_dir in cmd for n in re.findall(r"--node_id=(\w+)", cmd)}
+    for proc, cmd in procs:
+        node = re.search(r"--node-id=(\w+)", cmd) if "ray.util.client.server" in cmd else None
+        if proc.pid not in spared and (temp_dir in cmd or (node and node.group(1) in nodes)):
             found.add(proc)
             with contextlib.suppress(psutil.Error):
                 found.update(proc.children(recursive=True))

@@ -46,9 +46,13 @@ STRATEGIES = {
     },
     "lora-fsdp": {"strategy": {"name": "fsdp"}, "model": {"adapter": {"type": "lora", "r": 4}}},
 }
-# No storage checkpoint but the run's last: what a restart restores is memory's.
-MEMORY = {"checkpoint": {"every_n_steps": None, "memory": {"every_n_steps": 5, "keep": 10}}}
-RESUME_AT = 15
+# No storage checkpoint but the run's last: what a restart restores is memory's. Past
+# the warm-up, a snapshot at RESUME_AT and one after it that the restart abandons.
+STEPS, RESUME_AT = 20, 10
+MEMORY = {
+    "checkpoint": {"every_n_steps": None, "memory": {"every_n_steps": 5, "keep": 10}},
+    "train": {"max_steps": STEPS},
+}
 
 
 def connect(address: str) -> None:
@@ -135,7 +139,7 @@ def test_every_strategy_restores_from_memory_onto_the_uninterrupted_curve(
                                 f"{RESUME_AT} is complete on every rank and newer than "
                                 "storage's step -1"], got[name]["lines"]  # fmt: skip
                 loss = got[name]["loss"]
-                assert sorted(loss) == list(range(RESUME_AT + 1, 31)), (name, world)
+                assert sorted(loss) == list(range(RESUME_AT + 1, STEPS + 1)), (name, world)
                 for step, value in loss.items():
                     assert value == pytest.approx(full[name][step], rel=1e-6), (name, world, step)
         # One snapshot, two world sizes: the same weights, to the bit, resharded or not.

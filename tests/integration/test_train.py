@@ -133,13 +133,15 @@ def kill_overrides(storage: str, marker: Path) -> list[str]:
     ]
 
 
-def uninterrupted(tmp: Path, kill_storage: str) -> subprocess.Popen[str]:
+def uninterrupted(tmp: Path, kill_storage: str, marker: Path) -> subprocess.Popen[str]:
     """The run without a kill, on DDP (in fp32 every strategy follows DDP's curve to ~1e-6,
-    test_strategies), its own storage, as two runs preparing the same shards in an object
-    store at once would clear each other's. Run as a user's script or notebook runs it:
-    ``raylift.train(raylift.load_config(...))`` after ``import ray``."""
-    (tmp / "killed").write_text("no kill")
-    overrides = [*kill_overrides(f"{kill_storage}-clean", tmp / "killed"), "name=clean",
+    test_strategies), after the killed run in its storage: ``marker`` (the kill's, which
+    exists by then) kills nothing and stalls no upload, and the same task arguments reuse
+    the shards the killed run prepared. It checkpoints only at its end: saves change no
+    step. Run as a user's script or notebook runs it: ``raylift.train(raylift.load_config(...))``
+    after ``import ray``."""
+    assert marker.exists(), "the kill's marker, written by the killed run"
+    overrides = [*kill_overrides(kill_storage, marker), "name=clean", "checkpoint.every_n_steps=12",
                  f"tracking.uri=sqlite:///{tmp / 'mlflow.db'}"]  # fmt: skip
     script = tmp / "train.py"
     script.write_text(
@@ -248,7 +250,7 @@ def killed_and_resumed(
     client, mlrun = mlflow_run(in_tmp, run_id)
     # After the killed run, not beside it: two 2-worker runs at once are more than 2 cores.
     clean = tmp_path_factory.mktemp("clean")
-    reference = uninterrupted(clean, kill_storage)
+    reference = uninterrupted(clean, kill_storage, marker)
     assert mlrun.data.metrics["val_loss"] == pytest.approx(val_loss_of(reference, clean), rel=0.02)
     assert history(client, run_id, "restarts") == {2: 1.0}
     # What the restart cost, by phase: a line once the run was back at the step it had

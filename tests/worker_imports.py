@@ -15,6 +15,23 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+# Libraries a run imports only where it uses them: a strategy, a task or an adapter that
+# needs one, or the driver (MLflow's client; a worker logs through the tracking actor).
+NOT_FOR_DDP = {"deepspeed", "fairscale", "transformers", "peft", "mlflow", "safetensors",
+               "datasets", "huggingface_hub", "sklearn", "tokenizers"}  # fmt: skip
+# Every package a DDP worker of the quickstart may hold: Ray's, torch's and raylift's own
+# (xxhash checksums its checkpoints).
+DDP_WORKER = set(sys.stdlib_module_names) | {
+    "raylift", "tests", "torch", "torchgen", "sympy", "mpmath", "numpy", "ray", "pandas",
+    "pyarrow", "fsspec", "dateutil", "six", "yaml", "psutil", "packaging", "filelock",
+    "cloudpickle", "msgpack", "google", "pydantic", "pydantic_core", "annotated_types",
+    "typing_extensions", "typing_inspection", "anyio", "starlette", "click", "colorama",
+    "colorful", "colorful_orig", "rich", "requests", "urllib3", "idna", "certifi",
+    "charset_normalizer", "jsonschema", "jsonschema_specifications", "referencing", "rpds",
+    "rfc3339_validator", "jsonpointer", "attr", "attrs", "tqdm", "wcwidth", "cython_runtime",
+    "xxhash",
+}  # fmt: skip
+
 
 def main(config: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="raylift-imports-"))

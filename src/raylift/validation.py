@@ -74,8 +74,9 @@ def pin_hub_names(cfg: Config, recorded: Mapping[str, Any] | None = None) -> tup
 
 def _hub_args(task: str) -> dict[str, str]:
     """The task arguments that may name a Hub repo, and the kind of repo each names."""
-    names = {"model": "model"} if task in HUB_TASKS else {}
-    return {**names, "data": "dataset", "val_data": "dataset"} if task == "hf-sft" else names
+    if task == "hf-sft":
+        return {"model": "model", "data": "dataset", "val_data": "dataset"}
+    return {"model": "model", "corpus": "dataset"} if task in HUB_TASKS else {}
 
 
 def _pin_args(cfg: Config, recorded: Mapping[str, Any]) -> tuple[Config, list[str]]:

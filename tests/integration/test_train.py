@@ -19,6 +19,7 @@ from raylift.run.launch import train
 from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output, wait_until
 from tests.s3_faults import FLAKY, FaultProxy
+from tests.worker_imports import DDP_WORKER, NOT_FOR_DDP
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -82,16 +83,6 @@ def find_only_run(tmp: Path) -> str:
 # and the task's module, torch, Ray (Train, Data and what they import), and their
 # dependencies; never the packages of other strategies, adapters, HF models or MLflow
 # (metrics go through the tracking actor).
-NOT_FOR_DDP = {"deepspeed", "fairscale", "transformers", "peft", "mlflow", "safetensors"}
-DDP_WORKER = set(sys.stdlib_module_names) | {
-    "raylift", "tests", "torch", "torchgen", "sympy", "mpmath", "numpy", "ray", "pandas",
-    "pyarrow", "fsspec", "dateutil", "six", "yaml", "psutil", "packaging", "filelock",
-    "cloudpickle", "msgpack", "google", "pydantic", "pydantic_core", "annotated_types",
-    "typing_extensions", "typing_inspection", "anyio", "starlette", "click", "colorama",
-    "colorful", "colorful_orig", "rich", "requests", "urllib3", "idna", "certifi",
-    "charset_normalizer", "jsonschema", "jsonschema_specifications", "referencing", "rpds",
-    "rfc3339_validator", "jsonpointer", "attr", "attrs", "tqdm", "wcwidth", "cython_runtime",
-}  # fmt: skip
 OURS = ("raylift: ", "epoch ", "model state held by rank 0", "early stopping at step")
 STARTUP_KEYS = {f"startup/{p}_s" for p in PHASES}
 

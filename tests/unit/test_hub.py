@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from raylift.core import hub as hubs
 from raylift.core.config import ConfigError
+from raylift.core.errors import SourceError
 from raylift.tasks import build_task
 from raylift.validation import pin_hub_names, recorded_args
 from tests.helpers import make_config
@@ -214,6 +215,32 @@ def test_weights_and_adapters_named_by_hub_ids_are_pinned_and_checked_where_they
     wrong = make_config(model={"weights": "org/no-such-weights"})
     with pytest.raises(ConfigError, match=r"model\.weights: no model 'org/no-such-weights'"):
         pin_hub_names(wrong)
+
+
+def test_a_corpus_named_by_its_hub_id_is_its_splits_files_at_one_commit(
+    hub: HubServer, zoo: Path
+) -> None:
+    """``hf-causal-lm``'s ``task_args.corpus: org/texts``: a data set without a card, its
+    split's files found where ``push_to_hub`` puts them, at the commit the driver pinned."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = io.BytesIO()
+    pq.write_table(pa.table({"text": ["the sun and the moon"] * 50}), out)
+    files = {"data/train-00000-of-00001.parquet": out.getvalue(), "data/test-00000.parquet": b"x"}
+    commit = hub.add_repo("org/texts", files, repo_type="dataset")
+    args = {"model": str(zoo), "block_size": 32, "corpus": "org/texts"}
+    cfg, said = pin_hub_names(make_config(task="hf-causal-lm", task_args=args))
+    assert cfg.task_args["corpus"] == f"org/texts@{commit}"
+    assert said == f"raylift: task_args.corpus org/texts is the Hub's commit {commit}"
+    task = build_task(cfg.task, cfg.task_args)
+    assert task.corpus == f"hf://datasets/org/texts@{commit}/data/train-*"
+    _, listed = task._corpus()
+    assert [Path(i.path).name for i in listed] == ["train-00000-of-00001.parquet"]
+    with pytest.raises(SourceError, match=r"org/texts has no \.parquet, \.jsonl or \.json files"):
+        build_task("hf-causal-lm", {**cfg.task_args, "split": "validation"})
 
 
 @pytest.mark.parametrize(

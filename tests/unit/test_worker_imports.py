@@ -9,11 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.worker_imports import DDP_WORKER, NOT_FOR_DDP
+
 REPO = Path(__file__).resolve().parents[2]
-# Libraries a run imports only where it uses them: a strategy, a task or an adapter that
-# needs one, or the driver (MLflow's client; a worker logs through the tracking actor).
-ONLY_WHERE_USED = {"deepspeed", "fairscale", "transformers", "peft", "mlflow", "datasets",
-                   "huggingface_hub", "sklearn", "safetensors", "tokenizers"}  # fmt: skip
 
 
 def test_a_ddp_worker_imports_none_of_the_libraries_it_does_not_use() -> None:
@@ -24,6 +22,7 @@ def test_a_ddp_worker_imports_none_of_the_libraries_it_does_not_use() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     imported = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert {"torch", "ray", "raylift"} <= imported
-    assert not imported & ONLY_WHERE_USED, sorted(imported & ONLY_WHERE_USED)
+    assert not imported & NOT_FOR_DDP, sorted(imported & NOT_FOR_DDP)
+    assert imported <= DDP_WORKER, sorted(imported - DDP_WORKER)
     third_party = sorted(imported - set(sys.stdlib_module_names) - {"tests"})
     print("a DDP worker's third-party packages:", ", ".join(third_party))  # for the record

@@ -31,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from raylift.core import hub, storage
+from raylift.core.errors import SourceError
 from raylift.tasks.base import Batch, Columns, hf_plan
 from raylift.tasks.gpt import GPTTask, documents, windows
 from raylift.tensors.weights import INDEX, SINGLE
@@ -60,10 +61,12 @@ class HFCausalLM(GPTTask):
         max_bytes: int | None = 2_000_000,
         val_percent: int = 5,
         text_field: str = "text",
+        split: str = "train",
+        subset: str | None = None,
     ):
         super().__init__(
             block_size=block_size,
-            corpus=corpus,
+            corpus=hub_corpus(corpus, split, subset),
             max_bytes=max_bytes,
             val_percent=val_percent,
             text_field=text_field,
@@ -230,3 +233,28 @@ def _repeated(model: nn.Module) -> list[nn.Module]:
         if isinstance(m, nn.ModuleList) and len(m) > 0 and len({type(c) for c in m}) == 1
     ]
     return max(lists, key=len) if lists else []
+
+
+def data_specs(spec: str, split: str, subset: str | None, key: str) -> list[str]:
+    """Data named by a task argument as the files to read: a Hub data set's name
+    (``org/name``, ``org/name@rev``) as its ``split``'s files at one commit
+    (``hf://datasets/...`` globs); a file, folder or glob, local or a URI, as it is."""
+    ref = hub.parse(spec, "dataset")
+    if ref is None:
+        return [spec]
+    try:
+        return hub.data_files(hub.pin(ref, key), split, subset, key)
+    except hub.HubError as exc:
+        raise SourceError(str(exc)) from None
+
+
+def hub_corpus(corpus: str, split: str, subset: str | None) -> str:
+    """``task_args.corpus`` as the one folder or glob the corpus reader lists: a Hub data
+    set's ``split`` as the glob of its files at one commit."""
+    specs = data_specs(corpus, split, subset, "task_args.corpus")
+    if len(specs) > 1:
+        raise SourceError(
+            f"task_args.corpus: {corpus}'s card names {len(specs)} file patterns for split "
+            f"{split!r} ({', '.join(specs)}); name the files as one hf://datasets/... glob"
+        )
+    return specs[0]

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raylift.core import hub
 from raylift.core.errors import SourceError
 from raylift.core.storage import as_uri, filesystem
 from raylift.data.manifest import column_total
@@ -40,7 +39,7 @@ from raylift.tasks.chat import (
     pack,
 )
 from raylift.tasks.gpt import corpus_infos
-from raylift.tasks.hf import HFCausalLM, tokenizer_digest, with_router_loss
+from raylift.tasks.hf import HFCausalLM, data_specs, tokenizer_digest, with_router_loss
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 COLUMNS = ("input_ids", "labels", "position_ids", "example")
@@ -252,19 +251,6 @@ def check_packed_attention() -> None:
             f"task_args.packing: transformers {transformers.__version__} does not keep packed "
             "examples apart (4.54 or newer does); upgrade it, or set task_args.packing: false"
         ) from None
-
-
-def data_specs(spec: str, split: str, subset: str | None, key: str) -> list[str]:
-    """``task_args.data`` as the files to read: a Hub data set's name (``org/name``,
-    ``org/name@rev``) as its ``split``'s files at one commit (``hf://datasets/...``);
-    a file, folder or glob, local or a URI, as it is."""
-    ref = hub.parse(spec, "dataset")
-    if ref is None:
-        return [spec]
-    try:
-        return hub.data_files(hub.pin(ref, key), split, subset, key)
-    except hub.HubError as exc:
-        raise SourceError(str(exc)) from None
 
 
 def read_template(spec: str | None) -> str | None:

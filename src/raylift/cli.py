@@ -297,9 +297,9 @@ def cmd_prep(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     task = build_task(cfg.task, cfg.task_args)
-    root, _ = shard_root(cfg, task)
-    writable(root, "data.shards")
     try:
+        root, _ = shard_root(cfg, task)  # the data's version: its files are listed here
+        writable(root, "data.shards")
         result = prep(cfg, task, root, force=args.force, connect=lambda: connect_ray(cfg))
     except (ShardError, SourceError) as exc:
         print(f"raylift: {exc}", file=sys.stderr)

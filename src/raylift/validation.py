@@ -53,9 +53,10 @@ HUB_TASKS = ("hf-causal-lm", "hf-sft")
 
 def pin_hub_names(cfg: Config, recorded: Mapping[str, Any] | None = None) -> tuple[Config, str]:
     """``cfg`` with every Hub name in it (``task_args.model``, ``model.weights``,
-    ``model.adapter.weights``, and ``hf-sft``'s data sets ``task_args.data`` and
-    ``val_data``) pinned to the commit its revision names now, so that every process of
-    the run reads that one; and the lines that say so ("" where nothing was pinned).
+    ``model.adapter.weights``, and the data sets ``task_args.corpus`` of
+    ``hf-causal-lm`` and ``data``, ``val_data`` of ``hf-sft``) pinned to the commit its
+    revision names now, so that every process of the run reads that one; and the lines
+    that say so ("" where nothing was pinned).
     ``recorded``: the ``task_args`` the run folder's config holds, where the run resumes:
     the commits the run read before are read again, unless the config names commits of
     its own. Raises :class:`ConfigError` with the Hub's refusal."""

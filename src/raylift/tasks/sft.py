@@ -14,6 +14,7 @@ counted and named by file and line.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -83,15 +84,7 @@ class HFSFT(HFCausalLM):
                 "task_args.data: the examples' file or folder (JSONL, JSON or parquet)"
             )
         self.data, self.val_data, self.format = data, val_data, format
-        # Each a list of files, folders or globs: a Hub data set's are its split's files.
-        self.train_specs = data_specs(data, split, subset, "task_args.data")
-        if val_data is None and val_split and self.train_specs != [data]:
-            self.val_data = data  # the same Hub data set's other split
-        self.val_specs = (
-            data_specs(self.val_data, val_split or split, subset, "task_args.val_data")
-            if self.val_data
-            else []
-        )
+        self.split, self.val_split, self.subset = split, val_split, subset
         if not 0 <= max_bad_fraction < 1:
             raise ValueError("task_args.max_bad_fraction: must be in [0, 1)")
         if packing:
@@ -114,6 +107,19 @@ class HFSFT(HFCausalLM):
         how = json.dumps([self.renderer.template, self.format, self.renderer.train_on,
                           self.packing, self.long, self.block_size])  # fmt: skip
         return f"{files} {val} tokenizer {tokenizer_digest(Path(str(self.folder)))} {how}"
+
+    # Each a list of files, folders or globs: a Hub data set's are its split's files.
+    # Found where the data is read (prep, on the driver), not at every build of the task.
+    @functools.cached_property
+    def train_specs(self) -> list[str]:
+        return data_specs(self.data, self.split, self.subset, "task_args.data")
+
+    @functools.cached_property
+    def val_specs(self) -> list[str]:
+        val, split = self.val_data, self.val_split or self.split
+        if val is None and self.val_split and self.train_specs != [self.data]:
+            val = self.data  # the same Hub data set's other split
+        return data_specs(val, split, self.subset, "task_args.val_data") if val else []
 
     def _files(self, specs: list[str], key: str = "task_args.data") -> list[Any]:
         found = []

@@ -43,7 +43,8 @@ def run(folder: Path, quick: bool) -> tuple[float, str, int]:
     seconds, output, exit code."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_ADDRESS")}
     env["RAYLIFT_TEST_CACHE"] = tempfile.mkdtemp(prefix="raylift-suite-cache-")
-    env["PYTEST_ADDOPTS"] = '-m "not slow"' if quick else ""
+    # Every phase's time, not only the slowest: the lanes' totals come from them.
+    env["PYTEST_ADDOPTS"] = ('-m "not slow" ' if quick else "") + "--durations=0"
     started = time.perf_counter()
     done = subprocess.run(["bash", ".ci/run"], cwd=folder, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -64,6 +65,16 @@ def slowest(output: str, n: int) -> list[list[str]]:
     """The ``n`` slowest test phases pytest listed (``--durations``)."""
     rows = [(float(m["s"]), m["phase"], m["test"]) for m in DURATION.finditer(output)]
     return [[f"{s:.1f} s", phase, test] for s, phase, test in sorted(rows, reverse=True)[:n]]
+
+
+def lanes(output: str) -> list[list[str]]:
+    """The seconds of test phases in each lane: the tests on Ray (one worker, in order,
+    the suite's longest path) and the rest (the other worker)."""
+    totals = {"on Ray (one worker, in order)": 0.0, "the rest": 0.0}
+    for m in DURATION.finditer(output):
+        key = "on Ray (one worker, in order)" if m["test"].endswith("@ray") else "the rest"
+        totals[key] += float(m["s"])
+    return [[lane, minutes(s)] for lane, s in totals.items()]
 
 
 def main() -> None:
@@ -103,7 +114,12 @@ def main() -> None:
                 "title": f"the {opts.slowest} slowest test phases",
                 "columns": ["seconds", "phase", "test"],
                 "rows": slowest(output, opts.slowest),
-            }
+            },
+            {
+                "title": "the test phases' seconds by lane (of two workers)",
+                "columns": ["lane", "seconds"],
+                "rows": lanes(output),
+            },
         ],
         variant="quick" if opts.quick else None,
     )

@@ -1,6 +1,6 @@
-"""A user's own models from a folder outside the repository, trained with ``raylift train``
-under two sharded engines on the session's Ray: the curves agree in fp32, every console line is
-raylift's, and the run exports to a ``from_pretrained`` folder without its config."""
+"""A user's own model from a folder outside the repository, trained with ``raylift train``
+under FSDP on the session's Ray: it learns, every console line is raylift's, its start-up
+phases add up, and the run exports to a ``from_pretrained`` folder without its config."""
 
 from __future__ import annotations
 
@@ -32,16 +32,13 @@ CONFIG = """
     checkpoint: {{every_n_steps: 30, keep: 1}}
     storage: ./runs
 """
-# Runs, name -> strategy overrides, one after the other: each fills the two cores. The
-# first prepares the shards; the second reuses them. Two sharded engines through Ray, on
-# one curve: tests/unit/test_user_models.py holds both models (Llama, NormLM) to DDP's
-# curve under every strategy, and shows NormLM's constructor-kept parameters; fairscale's
-# console under Ray is its shipped config's (test_shipped_runs.py), ZeRO-2's the killed
+# Runs, name -> strategy overrides: one, as a run through Ray costs the two cores most of
+# a minute. The curves are the unit tests': tests/unit/test_user_models.py holds both
+# models (Llama, NormLM) to DDP's curve under every strategy, and shows NormLM's
+# constructor-kept parameters; ZeRO-3's console under Ray is its shipped config's and the
+# llama's with a pad token (test_shipped_runs.py), fairscale's too, ZeRO-2's the killed
 # run's (test_train.py).
-RUNS = {
-    "llama-fsdp": ["strategy.name=fsdp"],
-    "llama-zero3": ["strategy.name=deepspeed", "strategy.zero_stage=3"],
-}
+RUNS = {"llama-fsdp": ["strategy.name=fsdp"]}
 
 
 def raylift(folder: Path, *args: str) -> subprocess.Popen:
@@ -86,14 +83,10 @@ def curve(folder: Path, name: str) -> dict[int, float]:
     return {m.step: m.value for m in client.get_metric_history(run.info.run_id, "train_loss")}
 
 
-def test_fsdp_and_zero3_train_a_users_llama_on_one_curve(user_runs: tuple) -> None:
+def test_fsdp_trains_a_users_llama(user_runs: tuple) -> None:
     folder, _, _ = user_runs
-    ref = curve(folder, "llama-fsdp")
-    assert sorted(ref) == list(range(1, 31)) and ref[30] < 0.8 * ref[1]
-    got = curve(folder, "llama-zero3")
-    worst = max(abs(got[s] - ref[s]) / ref[s] for s in ref)
-    print(f"llama-zero3: worst relative train_loss difference from llama-fsdp {worst:.2e}")
-    assert worst < 1e-5, worst
+    got = curve(folder, "llama-fsdp")
+    assert sorted(got) == list(range(1, 31)) and got[30] < 0.8 * got[1]
 
 
 def test_every_console_line_is_raylifts(user_runs: tuple) -> None:
@@ -116,13 +109,14 @@ def test_the_run_exports_to_a_from_pretrained_folder_without_its_config(
     from raylift.artifacts.export import consolidated_state_dict
 
     folder, _, _ = user_runs
-    run = folder / "runs" / "llama-zero3"
+    run = folder / "runs" / "llama-fsdp"
     assert (run / "config.yaml").is_file()
-    proc = raylift(folder, "export", "runs/llama-zero3", "--format", "hf", "--out", "hf")
+    proc = raylift(folder, "export", "runs/llama-fsdp", "--format", "hf", "--out", "hf")
     lines = finish(proc, "export")
     # The checkpoint by its absolute path: the newest intact one the folder listed.
-    assert lines == [f"raylift: wrote 20 tensors (fp32) from {run.resolve()}"
-                     f"/checkpoint-step00000030 to hf"], lines  # fmt: skip
+    (line,) = lines
+    assert re.fullmatch(rf"raylift: wrote \d+ tensors \(fp32\) from {re.escape(str(run.resolve()))}"
+                        r"/checkpoint-step00000030 to hf", line), line  # fmt: skip
     loaded = AutoModelForCausalLM.from_pretrained(folder / "hf", local_files_only=True).eval()
     sys.path.insert(0, str(folder))
     try:

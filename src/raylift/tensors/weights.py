@@ -339,7 +339,7 @@ class _Reader:
             if ranges is None:
                 ranges = self.opened[file] = storage.Ranges(file)
                 self.stack.callback(ranges.close)
-            wire = memoryview(out.view(torch.uint8).numpy())
+            wire = out.view(torch.uint8).numpy().data  # a view: read straight into ``out``
             ranges.read_into(start + first * dtype.itemsize, wire)
         return out
 

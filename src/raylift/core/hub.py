@@ -240,8 +240,9 @@ def small_files(ref: HubRef, key: str) -> str:
 
 
 # Bytes a read of an open Hub file fetches beyond what it asks for (fsspec's read-ahead;
-# its default is 5 MiB): a safetensors header, the first read of each file, is well under
-# this even for the largest models' shards, so checking one costs one request of this.
+# its default is 5 MiB), for reads that go on where the last one ended (a data set's
+# files). Reads of ranges known in advance (weights' headers and tensors) open the file
+# without it (:func:`open_exact`).
 READ_AHEAD = 2**20
 
 
@@ -250,6 +251,16 @@ def filesystem() -> Any:
     from huggingface_hub import HfFileSystem
 
     return HfFileSystem(endpoint=endpoint(), block_size=READ_AHEAD)
+
+
+def open_exact(uri: str) -> Any:
+    """The Hub file ``uri`` (``hf://...``) open for reads that each fetch the bytes they
+    ask for and no more (fsspec's read-ahead off): for reads of ranges known in advance,
+    such as a rank's rows of a tensor, where a read-ahead would fetch a neighbour's."""
+    import pyarrow as pa
+
+    handle = filesystem().open(uri.removeprefix(SCHEME), "rb", cache_type="none")
+    return pa.PythonFile(handle, mode="r")
 
 
 # Where a data set's split is when its card names no files for it: the layouts

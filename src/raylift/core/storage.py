@@ -3,8 +3,8 @@
 Every read, write and listing goes through a pyarrow filesystem, the same code for a
 local folder (an NFS mount included) and an object store: a URI is never a second
 class path. Paths are strings throughout; a URI keeps its scheme in everything raylift
-prints. Checkpoints are read in ranges where they are (:mod:`raylift.tensors.checkpoints`); only a
-weights folder in an object store is fetched whole (:func:`local_copy`).
+prints. Checkpoints and pretrained weights are read in ranges where they are
+(:mod:`raylift.tensors.checkpoints`, :class:`Ranges`), never fetched whole first.
 An object store's filesystem retries what a retry can fix (:mod:`raylift.core.stores`);
 what it cannot fix stops the command with one line (:func:`reaching`).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from raylift.core import stores
+from raylift.core import hub, stores
 
 if TYPE_CHECKING:
     import pyarrow.fs
@@ -227,6 +228,48 @@ def read_chunks(path: str, chunk: int | None = None) -> Iterator[bytes]:
     with fs.open_input_stream(where) as f:
         while data := f.read(chunk):
             yield bytes(data)
+
+
+class Ranges(contextlib.AbstractContextManager["Ranges"]):
+    """The file at ``path`` open for ranged reads, each of which fetches from a store the
+    bytes it asks for and no more: an object store's through its resilient file (a read
+    broken mid-way resumes), a Hub file without fsspec's read-ahead
+    (:func:`raylift.core.hub.open_exact`), a local file as it is."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if str(path).startswith(hub.SCHEME):
+            self.file, self.client_retries = hub.open_exact(path), True
+            return
+        fs, where = filesystem(path)
+        self.file, self.client_retries = fs.open_input_file(where), _client_retries(fs)
+
+    def size(self) -> int:
+        return int(self.file.size())
+
+    def read(self, start: int, n: int) -> bytes:
+        """The ``n`` bytes from ``start``, in one ranged read, tried again as
+        :func:`retried` says (a store that answers short too)."""
+        return retried(self.path, functools.partial(self._read, start, n), self.client_retries)
+
+    def read_into(self, start: int, out: memoryview) -> None:
+        """The ``len(out)`` bytes from ``start`` into ``out``, ``CHUNK`` at a time: host
+        memory beyond ``out`` stays at one chunk."""
+        for at in range(0, len(out), CHUNK):
+            n = min(CHUNK, len(out) - at)
+            out[at : at + n] = self.read(start + at, n)
+
+    def _read(self, start: int, n: int) -> bytes:
+        data = self.file.read_at(n, start)
+        if len(data) != n:
+            raise stores.ShortRead(f"{self.path}: {len(data)} of {n} bytes read at {start}")
+        return bytes(data)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def write_bytes(path: str, data: bytes) -> None:

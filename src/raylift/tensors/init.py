@@ -259,6 +259,76 @@ def write_zero3(p: nn.Parameter, value: torch.Tensor) -> None:
             p.copy_(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """What a sharding writer keeps of a parameter on this rank, as a range of its full
+    value's elements in row-major order (``start`` to ``end``): exactly its ZeRO-3
+    partition, or the dim-0 rows that cover its DTensor slice; ``place`` writes it from
+    those elements, as the writer would from the whole value."""
+
+    start: int
+    end: int
+    place: Callable[[torch.Tensor], None]
+
+
+def own_share(write: Writer, p: nn.Parameter) -> Share | None:
+    """This rank's :class:`Share` of ``p`` where ``write`` shards it (``write_dtensor``,
+    ``write_zero3``); None where the writer keeps the whole value, or needs it: a ZeRO-3
+    parameter that is gathered, kept a second time (hpZ), swapped to NVMe or quantized."""
+    from torch.distributed.tensor import DTensor
+
+    if write is write_dtensor and isinstance(p, DTensor):
+        return _dtensor_share(p)
+    if write is write_zero3:
+        return _zero3_share(p)
+    return None
+
+
+def _dtensor_share(p: Any) -> Share:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    full = tuple(p.shape)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    row = math.prod(full[1:])  # elements a step along dim 0
+    first, rows = (offset[0], shape[0]) if full else (0, 1)
+    # Along the other dims the slice is cut from the rows, as write_dtensor cuts it.
+    cut = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+
+    def place(elements: torch.Tensor) -> None:
+        piece = elements.view(rows, *full[1:])[(slice(None), *cut)] if full else elements.view(())
+        with torch.no_grad():
+            p.to_local().copy_(piece)
+
+    return Share(first * row, (first + rows) * row, place)
+
+
+def _zero3_share(p: Any) -> Share | None:
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    part = getattr(p, "ds_tensor", None)
+    if (
+        part is None
+        or p.ds_status != ZeroParamStatus.NOT_AVAILABLE
+        or getattr(p, "ds_secondary_tensor", None) is not None
+        or getattr(part, "final_location", None) is not None
+        or hasattr(part, "ds_quant_scale")
+    ):
+        return None
+    # As DeepSpeed partitions: each rank the same padded count of elements, in rank order,
+    # the last ones padding past the parameter's end (left as they are, as a gather and
+    # repartition leaves them).
+    size = int(part.ds_numel)
+    start = min(size * dist.get_rank(group=p.ds_process_group), int(p.ds_numel))
+    end = min(start + size, int(p.ds_numel))
+
+    def place(elements: torch.Tensor) -> None:
+        with torch.no_grad():
+            part.narrow(0, 0, end - start).copy_(elements)
+
+    return Share(start, end, place)
+
+
 @contextlib.contextmanager
 def whole(module: nn.Module, write: Writer, touched: dict[int, str], by: str) -> Iterator[None]:
     """``module``'s own parameters as whole host tensors while inside; written back after,

@@ -3,17 +3,30 @@ at a time.
 
 ``model.weights`` names a ``.safetensors`` file, or a folder holding one
 (``model.safetensors``) or a sharded Hugging Face checkpoint
-(``model.safetensors.index.json`` and the files it maps), on this machine or in an
-object store (rank 0 reads a private copy), or an MLflow model (``models:/NAME/VERSION``,
-``runs:/RUN_ID/model``: :mod:`raylift.artifacts.mlmodel` fetches it first). The
-driver reads only the files' headers, where they are (ranged reads on an object store),
-before any worker starts (:mod:`raylift.tensors.preflight`), and refuses a missing, extra
-or differently shaped tensor, or a file it cannot read, naming the tensor and the file.
-In the workers, after the initial-weights pass, rank 0 alone reads each tensor and
-broadcasts it, bit for bit in the file's own dtype; every rank keeps its own shard of it
-(``raylift.tensors.init`` writers), so no rank ever holds more than one whole tensor
-beside its shards, and a node's host memory holds the weights once rather than once per
-worker.
+(``model.safetensors.index.json`` and the files it maps), on this machine or in a store
+(an object store's URI, or a Hub model pinned to a commit, ``hf://org/name@<commit>``), or
+an MLflow model (``models:/NAME/VERSION``, ``runs:/RUN_ID/model``:
+:mod:`raylift.artifacts.mlmodel` fetches it first). The driver reads only the files'
+headers, where they are (ranged reads in a store), before any worker starts
+(:mod:`raylift.tensors.preflight`), and refuses a missing, extra or differently shaped
+tensor, or a file it cannot read, naming the tensor and the file.
+
+In the workers, after the initial-weights pass, rank 0 reads the headers again and
+tells every rank the plan and where each tensor's bytes lie. From a store, no rank copies
+a file: each reads byte ranges of it, each range fetched alone (no read-ahead), tried
+again as the store's other reads are. Where a strategy shards a parameter (an FSDP2,
+HSDP or tensor-parallel DTensor, a ZeRO-3 partition) and the parameter is one file tensor
+as the file holds it, every rank reads only the bytes of its own share: a ZeRO-3
+partition's elements, or the rows that cover its DTensor slice (a tensor is stored
+row-major, so a range of rows is one range of bytes; a slice along another dim is cut
+from its rows). Each of N ranks that shard a model then reads about 1/N of it, and
+none of it crosses between ranks. Everything else, a tensor the layout joins or
+converts from the files' (:mod:`raylift.tensors.hf_layout`), a buffer, a parameter every
+rank keeps whole (DDP, fairscale, ZeRO-1/2), and every tensor of a file on this machine,
+rank 0 reads and broadcasts, bit for bit in the file's own dtype, and every rank keeps
+its share of it (``raylift.tensors.init`` writers). No rank ever holds more than one whole
+tensor beside its shards, and a node's host memory holds the weights once rather than
+once per worker.
 """
 
 from __future__ import annotations
@@ -21,8 +34,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -33,7 +46,7 @@ from raylift.core.errors import SourceError
 from raylift.core.names import is_mlflow_uri
 from raylift.tensors.adapters import base_name, is_adapter
 from raylift.tensors.hf_layout import Layout
-from raylift.tensors.init import Writer
+from raylift.tensors.init import Share, Writer, own_share
 
 # A model's tensors as a weights file names them: (model, named tensors) -> (name, tensor).
 NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
@@ -41,6 +54,8 @@ NamedAs = Callable[[nn.Module, Any], Iterator[tuple[str, Any]]]
 # Model tensor name -> (the name it is loaded as: its own or a tied twin's, and the
 # ``file::tensor`` entries it is made of, in order).
 Plan = dict[str, tuple[str, list[str]]]
+# ``file::tensor`` -> where its bytes start in the file, its shape and its dtype.
+Places = dict[str, tuple[int, tuple[int, ...], torch.dtype]]
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -85,17 +100,22 @@ def _kept_header(path: str, endpoint: str | None) -> tuple[bytes, int]:
 
 
 def _read_header(path: str) -> tuple[bytes, int]:
-    fs, where = storage.filesystem(path)
-    with fs.open_input_file(where) as f:
-        size = int.from_bytes(f.read_at(8, 0), "little")
-        if not 2 <= size <= min(MAX_HEADER, f.size() - 8):
+    with storage.Ranges(path) as f:
+        total = f.size()
+        size = int.from_bytes(f.read(0, 8), "little") if total >= 8 else 0
+        if not 2 <= size <= min(MAX_HEADER, total - 8):
             raise ValueError(f"its header length, {size} bytes, does not fit the file")
-        return bytes(f.read_at(size, 8)), f.size()
+        return f.read(8, size), total
 
 
 def header_entries(path: str) -> dict[str, dict[str, Any]]:
     """Tensor name -> its header entry (dtype, shape, data_offsets from the data's start,
     which is ``8 + len(raw header)``), checked against the file's size."""
+    return _entries(path)[0]
+
+
+def _entries(path: str) -> tuple[dict[str, dict[str, Any]], int]:
+    """The header entries, and where in the file the tensors' data starts."""
     try:
         text, total = raw_header(path)
         meta = json.loads(text)
@@ -106,7 +126,7 @@ def header_entries(path: str) -> dict[str, dict[str, Any]]:
                 f"its tensors take {need} bytes after the header, the file holds "
                 f"{total - 8 - len(text)}"
             )
-        return tensors
+        return tensors, 8 + len(text)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise WeightsError(f"model.weights: cannot read {path}: {exc}") from exc
 
@@ -229,38 +249,6 @@ def weights_path(cfg: Any, task: Any) -> str | None:
     return cfg.model.weights or getattr(task, "pretrained_weights", None)
 
 
-@contextlib.contextmanager
-def on_this_machine(path: str) -> Iterator[str]:
-    """``path`` itself where it is local, else a private copy of the weights its URI names
-    (an object store's, the Hub's), removed after: the file, or of a folder its weights
-    alone (its index and the files it maps, or its one file). A Hub model's folder also
-    holds other formats (``pytorch_model.bin``, ``original/``) that a run never reads."""
-    if not storage.is_remote(path):
-        yield path
-        return
-    if path.endswith(".safetensors"):
-        with storage.scratch("weights") as tmp:
-            yield str(_copied(path, Path(tmp) / storage.name(path)))
-        return
-    names = [SINGLE]  # weight_files would read its header: it is copied whole anyway
-    if storage.is_file(storage.join(path, INDEX)):
-        shards = {f[len(path.rstrip("/")) + 1 :] for f in weight_files(path).values()}
-        names = [INDEX, *sorted(shards)]
-    with storage.scratch("weights") as tmp:
-        for name in names:
-            (Path(tmp) / name).parent.mkdir(parents=True, exist_ok=True)
-            _copied(storage.join(path, name), Path(tmp) / name)
-        yield tmp
-
-
-def _copied(uri: str, local: Path) -> Path:
-    """``uri``'s bytes streamed into ``local``, never whole in memory."""
-    with local.open("wb") as out:
-        for chunk in storage.read_chunks(uri):
-            out.write(chunk)
-    return local
-
-
 def load(
     model: nn.Module,
     path: str,
@@ -268,28 +256,36 @@ def load(
     named_as: NamedAs | None = None,
     key: str = "model.weights",
 ) -> None:
-    """Collective: rank 0 reads each tensor (the model's as ``named_as`` names them: the
-    base's, by default; a fused one from each of its files' tensors), every rank writes
-    its share of it."""
+    """Collective: every tensor of the model (as ``named_as`` names them: the base's, by
+    default) written from the files. Where they are in a store and ``write`` shards a
+    parameter made of one file tensor as it is, each rank reads its own share's bytes of
+    it; anything else (a tensor joined from several, a buffer, a parameter kept whole,
+    any tensor of a local file) rank 0 reads and broadcasts, and every rank writes its
+    share of it."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     layout = Layout(model if named_as is None else None)  # as check() reads the files
+    remote = storage.is_remote(path)
+    # The plan, and each file tensor's place: the other ranks read, or allocate what
+    # rank 0 sends, from it.
+    shared: list[Any] = [_planned(model, path, named_as, key, layout) if rank == 0 else None]
+    named_as = named_as or base_tensors
+    if dist.is_initialized():
+        dist.broadcast_object_list(shared, src=0)
+    if isinstance(shared[0], WeightsError):
+        raise shared[0]  # on every rank: none is left waiting for a tensor
+    plan, dtypes, places = cast(tuple[Plan, dict[str, torch.dtype], Places], shared[0])
+    params = dict(named_as(model, model.named_parameters()))
+    buffers = dict(named_as(model, model.named_buffers()))
     with contextlib.ExitStack() as stack:
-        # Rank 0 alone reads: only it needs the files on its machine.
-        local = stack.enter_context(on_this_machine(path)) if rank == 0 else path
-        # The plan, and each tensor's dtype: the other ranks allocate what rank 0 sends.
-        shared: list[Any] = [_planned(model, local, named_as, key, layout) if rank == 0 else None]
-        named_as = named_as or base_tensors
-        if dist.is_initialized():
-            dist.broadcast_object_list(shared, src=0)
-        if isinstance(shared[0], WeightsError):
-            raise shared[0]  # on every rank: none is left waiting for a tensor
-        plan, dtypes = cast(tuple[Plan, dict[str, torch.dtype]], shared[0])
-        params = dict(named_as(model, model.named_parameters()))
-        buffers = dict(named_as(model, model.named_buffers()))
-        read = _Reader(stack)
+        read = _Reader(stack, places)
         for name, (have, parts) in plan.items():
+            if remote and name in params and _as_is(layout, parts):
+                share = own_share(write, params[name])
+                if share is not None:  # the same on every rank: none waits for a broadcast
+                    read.share(parts[0], share)
+                    continue
             value = layout.join(have, read(parts)) if rank == 0 else None
             target = params[name] if name in params else buffers[name]
             shape = tuple(getattr(target, "ds_shape", target.shape))
@@ -301,30 +297,67 @@ def load(
                     buffers[name].copy_(value)
 
 
-class _Reader:
-    """File tensors by ``file::name``, each file opened once for the whole load."""
+def _as_is(layout: Layout, parts: list[str]) -> bool:
+    """Whether the model tensor is one file tensor as the file holds it (not joined,
+    transposed or converted by the layout)."""
+    return len(parts) == 1 and not layout.model_name(parts[0].split("::", 1)[1])[1]
 
-    def __init__(self, stack: contextlib.ExitStack):
-        self.stack, self.opened = stack, {}  # type: ignore[var-annotated]
+
+class _Reader:
+    """File tensors by ``file::name``, each file opened once for the whole load: a local
+    file with safetensors, a file in a store with ranged reads of exactly the bytes wanted
+    (:class:`raylift.core.storage.Ranges`), never copied whole."""
+
+    def __init__(self, stack: contextlib.ExitStack, places: Places):
+        self.stack, self.places = stack, places
+        self.opened: dict[str, Any] = {}
 
     def __call__(self, parts: list[str]) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
         out = {}
         for where in parts:
             file, name = where.split("::", 1)
-            if file not in self.opened:
-                self.opened[file] = self.stack.enter_context(safe_open(file, framework="pt"))
-            out[name] = self.opened[file].get_tensor(name)
+            if storage.is_remote(file):
+                _, shape, dtype = self.places[where]
+                out[name] = self._read(where, 0, math.prod(shape), dtype).view(shape)
+            else:
+                out[name] = self._local(file).get_tensor(name)
         return out
+
+    def share(self, where: str, share: Share) -> None:
+        """This rank's share of the file tensor ``where``: the bytes of its elements
+        alone, read and placed."""
+        _, _, dtype = self.places[where]
+        share.place(self._read(where, share.start, share.end, dtype))
+
+    def _read(self, where: str, first: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``first`` to ``end`` of the file tensor ``where``, row-major."""
+        file = where.split("::", 1)[0]
+        start, _, _ = self.places[where]
+        out = torch.empty(end - first, dtype=dtype)
+        if out.numel():
+            ranges = self.opened.get(file)
+            if ranges is None:
+                ranges = self.opened[file] = storage.Ranges(file)
+                self.stack.callback(ranges.close)
+            wire = out.view(torch.uint8).numpy().data  # a view: read straight into ``out``
+            ranges.read_into(start + first * dtype.itemsize, wire)
+        return out
+
+    def _local(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self.opened:
+            self.opened[file] = self.stack.enter_context(safe_open(file, framework="pt"))
+        return self.opened[file]
 
 
 def _planned(
     model: nn.Module, path: str, named_as: NamedAs | None, key: str, layout: Layout
-) -> tuple[Plan, dict[str, torch.dtype]] | WeightsError:
-    """The plan (:func:`check`) and each planned tensor's dtype as rank 0 will make it:
-    its file tensors' (their headers), joined on the meta device as ``layout`` joins them.
-    The WeightsError itself where the files do not fit, for every rank to raise."""
+) -> tuple[Plan, dict[str, torch.dtype], Places] | WeightsError:
+    """The plan (:func:`check`), each planned tensor's dtype as rank 0 will make it (its
+    file tensors', joined on the meta device as ``layout`` joins them) and each file
+    tensor's place, from the files' headers. The WeightsError itself where the files do
+    not fit, for every rank to raise."""
     try:
         return _plan_and_dtypes(model, path, named_as, key, layout)
     except WeightsError as exc:
@@ -333,22 +366,27 @@ def _planned(
 
 def _plan_and_dtypes(
     model: nn.Module, path: str, named_as: NamedAs | None, key: str, layout: Layout
-) -> tuple[Plan, dict[str, torch.dtype]]:
+) -> tuple[Plan, dict[str, torch.dtype], Places]:
     plan = check(model, path, named_as, key)
-    files = {where.split("::", 1)[0] for _, parts in plan.values() for where in parts}
-    found = {f"{file}::{n}": e for file in files for n, e in header_entries(file).items()}
+    wanted = {where for _, parts in plan.values() for where in parts}
+    places: Places = {}
+    for file in sorted({where.split("::", 1)[0] for where in wanted}):
+        entries, data = _entries(file)
+        for n, e in entries.items():
+            where = f"{file}::{n}"
+            if where in wanted:
+                dtype = _dtype(e["dtype"], where, key)
+                places[where] = (data + int(e["data_offsets"][0]), tuple(e["shape"]), dtype)
     dtypes = {}
     for name, (have, parts) in plan.items():
         meta = {
             where.split("::", 1)[1]: torch.empty(
-                found[where]["shape"],
-                dtype=_dtype(found[where]["dtype"], where, key),
-                device="meta",
+                places[where][1], dtype=places[where][2], device="meta"
             )
             for where in parts
         }
         dtypes[name] = layout.join(have, meta).dtype
-    return plan, dtypes
+    return plan, dtypes, places
 
 
 # A safetensors header's dtype names, as torch names them.

@@ -60,9 +60,11 @@ class Seen:
         return cpu[i - 1] + share * (cpu[i] - cpu[i - 1])
 
     def title(self) -> str:
-        """What the process ran: its first title that is not an idle Ray worker's."""
-        busy = [t for t in self.titles if t != f"ray::{IDLE}"]
-        return (busy or self.titles or [""])[0]
+        """What the process ran: its first Ray title that is not an idle worker's (a Ray
+        worker shows its command line until it names itself ``ray::IDLE``), else its first."""
+        ray = [t for t in self.titles if t.startswith("ray::")]
+        busy = [t for t in ray if t.split()[0] != f"ray::{IDLE}"]
+        return (busy or ray or self.titles or [""])[0]
 
 
 class Sampler:

@@ -35,7 +35,17 @@ def test_each_process_is_counted_in_its_row() -> None:
     processes = {
         10: one("python -m raylift.cli train quickstart.yaml"),
         11: one("ray::TrainController.run"),
-        12: Seen(0.0, 1, ["ray::IDLE", "ray::RayTrainWorker.run_train_fn"], [1.0], [1.0]),
+        12: Seen(
+            0.0,
+            1,
+            [
+                "python .../default_worker.py --x",
+                "ray::IDLE    ",
+                "ray::RayTrainWorker.run_train_fn",
+            ],
+            [1.0],
+            [1.0],
+        ),
         13: one("ray::Store"),
         14: one("/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --x"),
         15: one("/venv/bin/python .../ray/dashboard/agent.py --node-ip-address=..."),

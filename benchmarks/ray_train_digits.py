@@ -6,7 +6,9 @@ What any Ray Train job pays before its first step, with nothing of raylift: Ray'
 start (or, with ``RAY_ADDRESS``, joining a running Ray), Train's controller and its
 placement group, 2 worker processes importing Ray Train and torch, and the process
 group. ``benchmarks/launch.py`` runs it beside torchrun and ``raylift train``. Rank 0
-prints the wall clock of its first optimizer step (``first_step_at``), as under torchrun.
+prints the wall clock of its first optimizer step (``first_step_at``), as under torchrun,
+and of its entry into the training function (``loop_at``); the driver, of the end of its
+imports and Ray's start or connect (``connected_at``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ def loop(config: dict[str, Any]) -> None:
     sys.path.insert(0, config["here"])
     from ddp_digits import train
 
+    if ray.train.get_context().get_world_rank() == 0:
+        print(f"loop_at {time.time():.3f}", flush=True)  # the process group is up
     os.environ["LOCAL_RANK"] = str(ray.train.get_context().get_local_rank())
     train(config["steps"], config["batch_size"], config["cuda"])
 
@@ -41,6 +46,7 @@ def main() -> None:
 
     # RAY_ADDRESS set: join that Ray; else start one, as raylift does (never another's).
     ray.init(address=os.environ.get("RAY_ADDRESS") or "local", logging_level="ERROR")
+    print(f"connected_at {time.time():.3f}", flush=True)  # imports done, Ray joined
     config = {"here": str(HERE), "steps": args.steps, "batch_size": args.batch_size}
     trainer = TorchTrainer(
         loop,

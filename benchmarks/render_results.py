@@ -15,9 +15,11 @@ first cell is ROW, ``tables::TITLE`` for one of its further tables, ``goal`` for
 and whether the result meets it, ``machine`` for the line naming the machine;
 ``match=TEXT`` and ``first=TEXT`` keep the lines of a transcript holding TEXT), and a
 console transcript saved with a result is a fenced block right after
-``<!-- transcript FILE::key -->``. Everything else in the pages is left alone. A test
-runs ``--check``: a JSON file changed without rendering again fails, and so does a
-measured number quoted outside a marker (tests/unit/test_docs.py).
+``<!-- transcript FILE::key -->``. One of a result's further tables is rendered whole
+between ``<!-- table FILE::tables::TITLE -->`` and ``<!-- /table -->``. Everything else
+in the pages is left alone. A test runs ``--check``: a JSON file changed without
+rendering again fails, and so does a measured number quoted outside a marker
+(tests/unit/test_docs.py).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ COMMAND = re.compile(
 TRANSCRIPT = re.compile(
     r"(<!-- transcript (?P<spec>[^>]*?) -->\n```\w*\n)(?P<body>.*?)(^```$)", re.S | re.M
 )
+TABLE = re.compile(r"(<!-- table (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 BEGIN = "<!-- results: rendered by benchmarks/render_results.py from benchmarks/results/ -->"
 END = "<!-- results: end -->"
 
@@ -196,7 +199,12 @@ def quoted(text: str, results: dict[str, dict[str, Any]]) -> str:
         lines = value if isinstance(value, list) else str(value).split(" | ")
         return m.group(1) + "".join(f"{line}\n" for line in lines) + m.group(4)
 
-    return COMMAND.sub(command_output, TRANSCRIPT.sub(transcript, NUMBER.sub(number, text)))
+    def whole(m: re.Match[str]) -> str:
+        found = lookup(results, m["spec"])
+        return m.group(1) + table(found["columns"], found["rows"]) + "\n" + m.group(4)
+
+    text = TABLE.sub(whole, NUMBER.sub(number, text))
+    return COMMAND.sub(command_output, TRANSCRIPT.sub(transcript, text))
 
 
 def command_output(m: re.Match[str]) -> str:

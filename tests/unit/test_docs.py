@@ -234,14 +234,15 @@ def test_the_values_the_pages_quote_by_hand_are_the_codes() -> None:
 
 
 def _rendered_spans(text: str) -> str:
-    """``text`` without what the renderer writes: markers' numbers, transcripts, the
-    README's results table."""
+    """``text`` without what the renderer writes: markers' numbers, tables, transcripts,
+    the README's results table."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import render_results
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
     text = render_results.NUMBER.sub("", text)
+    text = render_results.TABLE.sub("", text)
     text = render_results.TRANSCRIPT.sub("", text)
     text = render_results.COMMAND.sub("", text)
     return re.sub(

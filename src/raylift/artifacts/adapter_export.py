@@ -156,9 +156,8 @@ class Merged:
             whole = self.trained[name]
             return (self.layout.split(name, whole)[spec.name] if joined else whole).to(spec.dtype)
         file, start, end = self.where[spec.name]
-        fs, where = storage.filesystem(file)
-        with fs.open_input_file(where) as f:
-            data = bytearray(f.read_at(end - start, start))
+        with storage.Ranges(file) as f:  # its bytes alone: no read-ahead on the Hub
+            data = bytearray(f.read(start, end - start)) if end > start else bytearray()
         tensor = torch.frombuffer(data, dtype=spec.dtype).view(spec.shape) if data else (
             torch.empty(spec.shape, dtype=spec.dtype))  # fmt: skip
         module = name.removesuffix(".weight")

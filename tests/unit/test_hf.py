@@ -113,6 +113,14 @@ def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
         torch.testing.assert_close(
             loaded(input_ids=batch).logits, ours(input_ids=batch).logits, rtol=1e-5, atol=1e-5
         )
+    # The tied head once, as save_pretrained (and a ZeRO-3 run's export) writes it: the
+    # FSDP checkpoint lists it under both names, the run recorded that they are one.
+    ours.save_pretrained(tmp_path / "saved")
+    assert tensor_names(out / "model.safetensors") == tensor_names(
+        tmp_path / "saved" / "model.safetensors"
+    )
+    assert "lm_head.weight" not in tensor_names(out / "model.safetensors")
+    assert len(tensor_names(out / "model.safetensors")) == 20
     # Above --max-shard-size the weights are split into files with an index, as
     # save_pretrained splits a model of many GB; both from_pretrained and model.weights read it.
     sharded = tmp_path / "hf-sharded"
@@ -130,6 +138,13 @@ def test_export_hf_round_trip_and_fine_tune_start(tmp_path: Path) -> None:
     start = torch.load(tmp_path / "second.pt", weights_only=True)["ddp"]["params"]
     for k, v in ours.state_dict().items():
         torch.testing.assert_close(start[k], v.float(), rtol=0, atol=0, msg=k)
+
+
+def tensor_names(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return sorted(f.keys())
 
 
 def llama_with_a_tokenizer(folder: Path, text: list[str]) -> Any:

@@ -10,7 +10,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from raylift.tensors.streaming import CODES, Spec, write_hf_shards, write_safetensors
+from raylift.tensors.streaming import (
+    CODES,
+    Spec,
+    recorded_ties,
+    write_hf_shards,
+    write_safetensors,
+)
 
 SHAPES = [(), (0,), (1,), (3, 257, 129)]
 
@@ -73,3 +79,29 @@ def test_the_bytes_are_safetensors_own(tmp_path: Path) -> None:
     with safe_open(str(ours), framework="pt") as a, safe_open(str(theirs), framework="pt") as b:
         for name, _ in named:
             assert torch.equal(bits(a.get_tensor(name)), bits(b.get_tensor(name))), name
+
+
+def test_only_recorded_ties_of_two_alike_saved_tensors_are_aliases() -> None:
+    """A DCP checkpoint's record of its tied names is data: an entry naming a tensor not
+    saved, one of another shape or dtype, a chain, or anything not a name is left out
+    (that tensor written on its own); an older checkpoint without the record has none."""
+    f32 = torch.float32
+    specs = [Spec(name, shape, dtype, f"model.{name}") for name, shape, dtype in [
+        ("embed.weight", [8, 4], f32), ("head.weight", [8, 4], f32),
+        ("other.weight", [4, 8], f32), ("ids", [8, 4], torch.int64), ("third", [8, 4], f32),
+    ]]  # fmt: skip
+    record = {
+        "head.weight": "embed.weight",  # kept
+        "other.weight": "embed.weight",  # another shape
+        "ids": "embed.weight",  # another dtype
+        "missing": "embed.weight",  # not saved
+        "third": "head.weight",  # a chain: head.weight is not written
+        "embed.weight": "embed.weight",
+        7: "embed.weight",
+    }
+    assert recorded_ties({"engine_extra": {"tied": record}}, specs) == {
+        "head.weight": "embed.weight"
+    }
+    for loop in ({}, {"engine_extra": None}, {"engine_extra": {"tied": ["head.weight"]}},
+                 {"engine_extra": {"tied": {"head.weight": ["embed.weight"]}}}):  # fmt: skip
+        assert recorded_ties(loop, specs) == {}, loop

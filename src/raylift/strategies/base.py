@@ -253,6 +253,19 @@ def first_failure(exc: Any) -> Exception:
     return RuntimeError(str(exc))
 
 
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each tied weight's later names -> the first it is listed under, as its
+    ``state_dict`` names them (``model`` unwrapped: no DDP ``module.`` prefix)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied
+
+
 def read_dcp_model(files: Any) -> DCPModel:
     """The model of a :class:`DCPState` checkpoint (a ``CheckpointReader``), one tensor at
     a time, reading only the model's ranges."""
@@ -384,7 +397,12 @@ class TorchEngine:
         self._state_io.load(files, "engine")
 
     def extra_state(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+        extra: dict[str, Any] = {"scaler": self.scaler.state_dict()} if self.scaler else {}
+        if isinstance(self._state_io, DCPState):
+            # DCP saves a tied weight under each name, as entries of their own: the
+            # export reads which are one weight from here (``torch.save`` shows it).
+            extra["tied"] = tied_names(self.module)
+        return extra
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if self.scaler and state.get("scaler"):

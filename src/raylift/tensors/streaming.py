@@ -100,19 +100,20 @@ def saved_model(reader: CheckpointReader, name: str, key: str) -> LazyModel:
 class DCPModel:
     """The model's tensors in a DCP checkpoint folder (``engine``), read one at a time."""
 
-    aliases: dict[str, str] = {}  # the metadata lists each name it saved
-
     def __init__(self, reader: CheckpointReader, folder: str = "engine"):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.reader, self.folder = reader, folder
         # DCP's own format, its pickle checked against the list first.
         self.meta = dcp_metadata(reader, folder)
-        self.specs = [
+        specs = [
             Spec(fqn[len(PREFIX) :], list(md.size), _exported(md.properties.dtype), fqn)
             for fqn, md in self.meta.state_dict_metadata.items()
             if fqn.startswith(PREFIX) and isinstance(md, TensorStorageMetadata)
         ]
+        # The metadata lists a tied weight under each name: the run recorded which are one.
+        self.aliases = recorded_ties(reader.loop_state(), specs)
+        self.specs = [spec for spec in specs if spec.name not in self.aliases]
 
     def tensors(self) -> Iterator[tuple[Spec, torch.Tensor]]:
         for spec in self.specs:
@@ -133,6 +134,26 @@ class DCPModel:
             where = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
             full[where] = part.to(spec.dtype)
         return full
+
+
+def recorded_ties(loop_state: dict[str, Any], specs: list[Spec]) -> dict[str, str]:
+    """The tied names a DCP checkpoint's run recorded (``engine_extra["tied"]``; an older
+    checkpoint has none), as :attr:`ModelTensors.aliases`. Data from the checkpoint: an
+    entry is kept only where both names are saved tensors of one shape and dtype and the
+    one written is no alias itself; any other name is written on its own, as before."""
+    extra = loop_state.get("engine_extra")
+    record = extra.get("tied") if isinstance(extra, dict) else None
+    if not isinstance(record, dict):
+        return {}
+    by_name = {spec.name: spec for spec in specs}
+    ties: dict[str, str] = {}
+    for alias, name in record.items():
+        if not (isinstance(alias, str) and isinstance(name, str)) or alias == name:
+            continue
+        a, b = by_name.get(alias), by_name.get(name)
+        if a and b and record.get(name, name) == name and (a.shape, a.dtype) == (b.shape, b.dtype):
+            ties[alias] = name
+    return ties
 
 
 def _exported(dtype: torch.dtype) -> torch.dtype:

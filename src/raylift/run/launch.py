@@ -219,6 +219,10 @@ def train(
     begins here). ``lock``: hold the run's lock (:mod:`raylift.core.runlock`), on any storage.
     """
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
+    if storage.is_remote(run_dir):
+        # An object store's client logs each retry below Python (Arrow's S3 client on a
+        # throttled upload of the run's lease): to the log from the first write on.
+        console.start_log(cfg.name)
     if lock:  # a sweep's trials run in the sweep's storage, which it checked
         writable(storage.resolve(cfg.storage), "storage")
     what = f"run {cfg.name!r}"

@@ -403,18 +403,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-@contextlib.contextmanager
-def local_copy(path: str) -> Iterator[Path]:
-    """``path`` as a folder on this machine for the length of the block: itself where it
-    is local, else a private copy in a temporary folder, removed after."""
-    if not is_remote(path):
-        yield Path(resolve(path))
-        return
-    import pyarrow.fs as pafs
-
-    fs, where = filesystem(path)
-    with scratch("copy") as tmp:
-        pafs.copy_files(where, tmp, source_filesystem=fs, destination_filesystem=None)
-        yield Path(tmp)

@@ -234,3 +234,22 @@ def test_what_a_library_writes_below_python_goes_to_the_log(tmp_path: Path) -> N
         [sys.executable, "-c", crash], capture_output=True, text=True, timeout=HANG_S
     )
     assert done.returncode == -6 and "Fatal Python error: Aborted" in done.stderr, done.stderr
+
+
+def test_a_log_started_before_the_run_is_named_once_when_the_run_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run on an object store routes to its log before its first write there, unnamed, so
+    that a refused storage stays one line; the run's start names that same file, once."""
+    screen = io.StringIO()
+    monkeypatch.setattr("sys.stdout", screen)
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    monkeypatch.setenv(console.LOG_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(console.VERBOSE_ENV, raising=False)
+    early = console.start_log("on s3", announce=False)
+    assert early is not None and early.is_file() and console.current_log() == early
+    assert screen.getvalue() == ""
+    assert console.start_log("on s3") == early
+    assert console.start_log("on s3") == early
+    named = f"raylift: the log of everything else (Ray, torch, libraries): {early}\n"
+    assert screen.getvalue() == named

@@ -329,6 +329,7 @@ def route_ray_process(rank: int | None = None) -> None:
 
 
 _started: dict[str, Path] = {}
+_announced: set[Path] = set()
 
 
 def _in_ray_process() -> bool:
@@ -345,20 +346,22 @@ def _log_path(name: str) -> Path:
     return log_dir() / f"{safe}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
 
-def start_log(name: str) -> Path | None:
+def start_log(name: str, *, announce: bool = True) -> Path | None:
     """This command's log file, from now on: what Ray, torch, DeepSpeed and MLflow print,
-    the workers' included. Named once on the console; None with ``--verbose``."""
+    the workers' included. Named once on the console; None with ``--verbose``.
+    ``announce=False`` routes to it without naming it yet: a command refused before its run
+    starts stays one line, and the next call names the same file."""
     if verbose() or _in_ray_process():
         return None
-    if (known := _started.get(name)) is not None and current_log() == known:
-        return known  # this run's driver started it already (prep, then train)
-    path = _log_path(name)
-    route_driver(path)
-    _started[name] = path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.touch()
-    print(f"raylift: the log of everything else (Ray, torch, libraries): {path}", flush=True)
-    return path
+    if (known := _started.get(name)) is None or current_log() != known:
+        known = _started[name] = _log_path(name)
+        route_driver(known)
+        known.parent.mkdir(parents=True, exist_ok=True)
+        known.touch()
+    if announce and known not in _announced:  # prep, then train: named once
+        _announced.add(known)
+        print(f"raylift: the log of everything else (Ray, torch, libraries): {known}", flush=True)
+    return known
 
 
 def route_driver(log: Path) -> None:

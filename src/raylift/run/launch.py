@@ -221,8 +221,9 @@ def train(
     run_dir = storage.join(storage.resolve(cfg.storage), cfg.name)
     if storage.is_remote(run_dir):
         # An object store's client logs each retry below Python (Arrow's S3 client on a
-        # throttled upload of the run's lease): to the log from the first write on.
-        console.start_log(cfg.name)
+        # throttled upload of the run's lease): to the log from the first write on, named
+        # on the console once the run starts (a refused storage stays one line).
+        console.start_log(cfg.name, announce=False)
     if lock:  # a sweep's trials run in the sweep's storage, which it checked
         writable(storage.resolve(cfg.storage), "storage")
     what = f"run {cfg.name!r}"

@@ -1,0 +1,44 @@
+"""The suite's pool of gloo ranks (tests.helpers.run_ranks): reused across jobs, and
+replaced once a job leaves its ranks holding more process groups than MAX_GLOO_LOOPS, each
+of whose gloo loop threads would wake 100 times a second for the rest of the session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from tests import helpers
+from tests.helpers import MAX_GLOO_LOOPS, gloo_loops, run_ranks
+
+
+def record(rank: int, world: int, out: str, groups: int) -> None:
+    """Make ``groups`` new process groups, then write this rank's pid and gloo loops."""
+    import os
+
+    made = [dist.new_group(list(range(world)), backend="gloo") for _ in range(groups)]
+    for group in made:  # each one used, as a mesh's are
+        dist.barrier(group=group)
+    Path(f"{out}-{rank}").write_text(f"{os.getpid()} {gloo_loops()}")
+
+
+def pids(out: Path, world: int) -> list[int]:
+    return [int(Path(f"{out}-{r}").read_text().split()[0]) for r in range(world)]
+
+
+def test_a_pool_is_reused_until_its_ranks_hold_too_many_gloo_groups(tmp_path: Path) -> None:
+    helpers.close_pools()  # this test's own pool, from its first job
+    out = tmp_path / "rank"
+    run_ranks(2, tmp_path, record, str(out), 0)
+    first = pids(out, 2)
+    loops = int(Path(f"{out}-0").read_text().split()[1])
+    assert 1 <= loops <= MAX_GLOO_LOOPS, loops  # the world group's own
+    run_ranks(2, tmp_path, record, str(out), 0)
+    assert pids(out, 2) == first  # reused: no process start, no import, no new world
+    run_ranks(2, tmp_path, record, str(out), MAX_GLOO_LOOPS)
+    assert pids(out, 2) == first
+    assert int(Path(f"{out}-0").read_text().split()[1]) > MAX_GLOO_LOOPS
+    run_ranks(2, tmp_path, record, str(out), 0)
+    fresh = pids(out, 2)
+    assert not set(fresh) & set(first), (first, fresh)  # the retired ranks were replaced
+    assert int(Path(f"{out}-0").read_text().split()[1]) == loops

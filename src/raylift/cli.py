@@ -9,6 +9,7 @@ imports sit at the top of the module (tests/unit/test_lint.py holds it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -283,6 +284,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.gpus % args.nodes:
         print(f"raylift: --nodes {args.nodes} must divide --gpus {args.gpus}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # --gpus plans GPU workers whatever the config says: `precision: auto` is resolved as
+    # on an Ampere or newer GPU, not as on the host the plan is made on (a laptop's CPU
+    # with or without bf16 would otherwise change every activation figure).
+    cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, use_gpu=True))
     plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes)
     print(render(plan, args.gpus, args.gpu_mem))
     return EXIT_OK

@@ -83,6 +83,17 @@ def test_plan_command_prints_a_table_and_the_choice(capsys: pytest.CaptureFixtur
     assert main(["plan", str(GPT), "--gpus", "0", "--gpu-mem", "16"]) == 2
 
 
+def test_the_plan_is_for_gpus_whatever_host_makes_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``precision: auto`` is planned as an Ampere GPU resolves it (bf16-mixed), on a host
+    whose CPU has bf16 and on one without: the same table as bf16-mixed named outright."""
+    tables = []
+    for precision in ("auto", "bf16-mixed"):
+        args = ["plan", str(GPT), "--gpus", "2", "--gpu-mem", "16", f"precision={precision}"]
+        assert main(args) == 0
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1]
+
+
 def test_tensor_parallel_over_each_node_divides_what_its_plan_splits() -> None:
     """fsdp-tp (tp = the workers per node, sharded over the nodes): of 1000 parameters,
     the 800 the plan splits are divided over all 8 ranks, the other 200 over the 2 nodes."""

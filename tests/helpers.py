@@ -463,7 +463,7 @@ def raylets_of(temp_dir: str) -> list[tuple[int, str]]:
 # How long a command or a condition may take before the test calls it a hang. Not a
 # speed goal: a loaded machine takes several times as long as a quiet one, and still
 # passes; only a command that will never end meets it.
-HANG_S = 1800.0
+HANG_S = 900.0
 
 
 def finish_output(proc: subprocess.Popen, what: str, ceiling: float = HANG_S) -> tuple[str, str]:

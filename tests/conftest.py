@@ -327,10 +327,9 @@ def ray_cluster(s3_server: str) -> Iterator[str]:
 
     os.environ.update(WORKER_ENV)  # the raylet inherits these, so every worker does
     # Ray's log monitor lists the logs folder every 0.1 s below 1000 files, every 0.5 s
-    # above: the session's folder gathers hundreds of worker logs, and listing them ten
-    # times a second cost about 6% of a core all through the suite (600 files: 11.6%, and
-    # 5.3% listed every 0.5 s). New files' first lines
-    # reach the driver up to 0.5 s later; lines of files it follows, as before.
+    # above. The session's folder gathers hundreds of worker logs: with 600, its monitor
+    # spent 11.6% of a core listing them ten times a second, 5.3% at twice a second. A new
+    # file's first lines reach the driver up to 0.5 s later; followed files', as before.
     os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"] = "0"
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p

@@ -77,33 +77,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-# Past this many bytes (or characters) two unequal operands are described by their lengths,
-# first difference and digests: pytest's own explanation diffs them with difflib, which is
-# quadratic, and held a worker for over 40 minutes on two megabytes of checkpoint bytes.
-LARGE_OPERAND = 4096
-
-
-def pytest_assertrepr_compare(op: str, left: object, right: object) -> list[str] | None:
-    if op != "==" or type(left) is not type(right) or not isinstance(left, (bytes, str)):
-        return None
-    if max(len(left), len(right)) <= LARGE_OPERAND:
-        return None
-    import hashlib
-
-    def digest(value: bytes | str) -> str:
-        data = value.encode() if isinstance(value, str) else value
-        return hashlib.sha256(data).hexdigest()[:16]
-
-    pairs = enumerate(zip(left, right, strict=False))
-    at = next((i for i, (a, b) in pairs if a != b), min(len(left), len(right)))
-    kind = type(left).__name__
-    return [
-        f"two {kind} values differ (left {len(left)}, right {len(right)} long)",
-        f"first difference at offset {at}: {left[at : at + 16]!r} != {right[at : at + 16]!r}",
-        f"sha256 {digest(left)} != {digest(right)}",
-    ]
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """In the controller (or a run without xdist), before any worker starts: the mark
     every process of this suite inherits (tests/survivors.py)."""

@@ -114,7 +114,8 @@ def test_a_model_downloads_loads_and_a_pinned_commit_outlives_a_push(
     hub.reset_stats()
     fresh = tmp_path / "fresh-cache"
     pinned = hf_hub_download(LLAMA, "model.safetensors", revision=first, cache_dir=fresh)
-    assert Path(pinned).read_bytes() == first_weights
+    same = Path(pinned).read_bytes() == first_weights  # not in the assert: pytest diffs bytes
+    assert same, "the pinned download is not the first commit's weights"
     assert {r.revision for r in hub.requests if r.file == "model.safetensors"} == {first}
     assert hub.served(LLAMA, "model.safetensors") == len(first_weights)
     old = AutoModelForCausalLM.from_pretrained(snapshot_download(LLAMA, revision=first))
@@ -122,9 +123,9 @@ def test_a_model_downloads_loads_and_a_pinned_commit_outlives_a_push(
     # ... and main is the push; transformers finds it by name through the patched constants.
     latest = AutoModelForCausalLM.from_pretrained(LLAMA)
     assert torch.equal(latest.state_dict()["model.norm.weight"], changed["model.norm.weight"])
-    assert (folder / "model.safetensors").read_bytes() == Path(
-        hf_hub_download(LLAMA, "model.safetensors", cache_dir=fresh)
-    ).read_bytes()
+    latest_file = Path(hf_hub_download(LLAMA, "model.safetensors", cache_dir=fresh))
+    same = (folder / "model.safetensors").read_bytes() == latest_file.read_bytes()
+    assert same, "main's download is not the pushed weights"
 
 
 def test_branches_tags_and_commits_name_revisions(hub: HubServer) -> None:

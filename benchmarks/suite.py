@@ -5,6 +5,7 @@ README's line on the suite's length is rendered from this file's result.
 
     python benchmarks/suite.py                 # --slowest 20
     python benchmarks/suite.py --quick         # the quick lane (-m "not slow") instead
+    python benchmarks/suite.py --log OUT --commit C --seconds S --exit E   # a run made by hand
 """
 
 from __future__ import annotations
@@ -81,15 +82,29 @@ def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--slowest", type=int, default=20)
     args.add_argument("--quick", action="store_true", help='only -m "not slow"')
+    args.add_argument(
+        "--log", type=Path,
+        help="render a run made by hand instead (a fresh clone's bash .ci/run with "
+        "PYTEST_ADDOPTS=--durations=0, its whole output); with --commit, --seconds, --exit",
+    )  # fmt: skip
+    args.add_argument("--commit", help="with --log: the clone's commit")
+    args.add_argument("--seconds", type=float, help="with --log: bash .ci/run's seconds")
+    args.add_argument("--exit", type=int, help="with --log: bash .ci/run's exit code")
     opts = args.parse_args()
-    with tempfile.TemporaryDirectory(prefix="raylift-suite-") as tmp:
-        commit = clone(Path(tmp) / "raylift")
-        seconds, output, code = run(Path(tmp) / "raylift", opts.quick)
-    log = Path(tempfile.gettempdir()) / f"raylift-suite-{'quick' if opts.quick else 'full'}.log"
-    log.write_text(output)  # whole: a failure's traceback is far above the summary
+    if opts.log:
+        if None in (opts.commit, opts.seconds, opts.exit):
+            raise SystemExit("--log needs --commit, --seconds and --exit")
+        commit, seconds, code = opts.commit, opts.seconds, opts.exit
+        output = opts.log.read_text()
+    else:
+        with tempfile.TemporaryDirectory(prefix="raylift-suite-") as tmp:
+            commit = clone(Path(tmp) / "raylift")
+            seconds, output, code = run(Path(tmp) / "raylift", opts.quick)
+        log = Path(tempfile.gettempdir()) / f"raylift-suite-{'quick' if opts.quick else 'full'}.log"
+        log.write_text(output)  # whole: a failure's traceback is far above the summary
+        print(f"the whole output: {log}")
     counts, pytest_s = counted(output)
     print(output[-6000:])
-    print(f"the whole output: {log}")
     lane = "the quick lane" if opts.quick else "the whole suite"
     summary = ", ".join(f"{n} {w}" for w, n in counts.items())
     save(

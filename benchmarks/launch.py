@@ -236,7 +236,9 @@ def phase_end(run: Timed, phase: str) -> float:
 
 
 DRIVER_CUT = "  driver, to connected to Ray (imports, config, Ray start or connect)"
-WORKER_CUT = "  both workers together, to the training function (process start, imports, process group)"
+WORKER_CUT = (
+    "  both workers together, to the training function (process start, imports, process group)"
+)
 WALL = "(wall clock, to the first step)"
 
 

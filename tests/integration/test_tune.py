@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from raylift.commands.tune import reports_to_tune
 from raylift.validation import load_config
 from tests.helpers import HANG_S, finish_output
 from tests.s3_faults import FLAKY, FaultProxy
@@ -49,6 +50,38 @@ def flaky_sweep(tmp: Path, *extra: str) -> Path:
     cfg = load_config(path, [*FLAKY_SWEEP, *extra])  # validates the overrides
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     return path
+
+
+def report_and_return(config: dict[str, int]) -> None:
+    """A trial whose run makes three reports from another process, as Train's controller
+    does, and returns at once after the last: with Ray's TuneReportCallback this trial
+    never ends (its actor's main thread waits on itself; every try here timed out)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def controller(callback: object, reports: int) -> None:
+        for i in range(reports):
+            callback.after_report(None, [{"i": i, "trial": config["trial"]}], None)  # type: ignore[attr-defined]
+
+    with reports_to_tune() as callback:
+        ray.get(controller.remote(callback, 3))
+
+
+def test_every_report_reaches_tune_when_the_run_returns_straight_after_its_last(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    from ray import tune
+
+    tuner = tune.Tuner(
+        report_and_return,
+        param_space={"trial": tune.grid_search([0, 1])},
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0),
+        tune_config=tune.TuneConfig(max_concurrent_trials=1),
+    )
+    results = tuner.fit()
+    assert not results.errors
+    got = sorted((r.metrics["trial"], list(r.metrics_dataframe["i"])) for r in results)
+    assert got == [(0, [0, 1, 2]), (1, [0, 1, 2])]
 
 
 def test_a_failed_trial_restarts_and_an_interrupted_sweep_resumes(

@@ -2,7 +2,7 @@
 
 Each trial is a Tune function trainable that asks for almost no resources and
 launches its own ``TorchTrainer`` (Train V2), the same loop ``raylift train`` runs;
-Ray's ``TuneReportCallback`` passes every evaluation back to Tune, so a scheduler
+every evaluation is relayed back to Tune (:func:`reports_to_tune`), so a scheduler
 can stop a trial between epochs, and a stopped trial's workers go with it. MLflow
 gets one parent run for the sweep and one child per trial (``mlflow.parentRunId``);
 a trial restarted after a failure, or a sweep resumed after Ctrl-C, continues its
@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import yaml
+from ray.train import UserCallback
 
 from raylift.artifacts import mlmodel, tracking, tracking_service
 from raylift.commands.sweep_record import (
@@ -190,10 +191,67 @@ def search_alg(spec: TuneConfig, seed: int) -> Any:
 # ---------------------------------------------------------------- one trial
 
 
+class _ToTune(UserCallback):
+    """Runs in the Train controller: each report waits in a one-place queue for the trial."""
+
+    def __init__(self, queue: Any) -> None:
+        self._queue = queue
+
+    def after_report(
+        self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any
+    ) -> None:
+        # Rank 0's metrics, as Ray's TuneReportCallback passes; a full queue holds the
+        # controller until Tune has taken the last one, so a stopped trial trains no further.
+        self._queue.put(dict(metrics[0]))
+
+
+@contextlib.contextmanager
+def reports_to_tune() -> Iterator[UserCallback]:
+    """A callback for the trial's Train run, and a thread that reports what it sends.
+
+    Ray's ``TuneReportCallback`` has the trial actor's main thread report on the trial's
+    behalf, into the queue only that thread empties: when the run returned straight after
+    its last report, that thread could take the report after the trial function's closing
+    result filled the queue, and wait on itself forever (a resumed sweep hung in the suite).
+    Here a thread of the trial's own reports them, and the trial returns only once it has.
+    """
+    from ray.util.queue import Full, Queue
+
+    queue = Queue(1, actor_options={"num_cpus": 0})
+    failed: list[BaseException] = []
+    relay = threading.Thread(target=_relay, args=(queue, failed), daemon=True)
+    relay.start()
+    try:
+        yield _ToTune(queue)
+    finally:
+        # The run has returned, its reports are all queued: the end goes in behind them.
+        while relay.is_alive():  # not once Tune has stopped the trial
+            try:
+                queue.put(None, timeout=1.0)
+                break
+            except Full:
+                continue
+        relay.join()
+        queue.shutdown()
+    if failed:
+        raise failed[0]
+
+
+def _relay(queue: Any, failed: list[BaseException]) -> None:
+    from ray import tune
+
+    try:
+        while (metrics := queue.get()) is not None:
+            tune.report(metrics)  # returns when Tune asks for the next result
+    except SystemExit:  # Tune stopped the trial: its actor, and the run, go with it
+        pass
+    except Exception as exc:  # raised again in the trial's thread
+        failed.append(exc)
+
+
 def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
     """A Tune function trainable: one distributed raylift run with this trial's values."""
     from ray import tune
-    from ray.tune.integration.ray_train import TuneReportCallback
 
     console.route_ray_process()
     key = tune.get_context().get_trial_name()  # TrialKeys': the same on a resume
@@ -202,19 +260,20 @@ def run_trial(params: dict[str, Any], sweep: dict[str, Any]) -> None:
         tune.report(done)
         return
     cfg = trial_config(sweep["base"], params, f"{sweep['name']}-{key}")
-    train(
-        cfg,
-        log=print,
-        parent_run_id=sweep["parent_run_id"],
-        callbacks=[TuneReportCallback()],
-        extra_tags={"raylift.sweep": sweep["name"], "raylift.trial_id": key},
-        # Tune runs one attempt of a trial at a time, and its worker process may outlive
-        # a stopped attempt: the sweep's own lock is the one that keeps commands apart.
-        lock=False,
-        # The trial runs on any node: MLflow is reached through the sweep's tracking
-        # actor, on the sweep driver's node.
-        service=sweep["tracking"],
-    )
+    with reports_to_tune() as to_tune:
+        train(
+            cfg,
+            log=print,
+            parent_run_id=sweep["parent_run_id"],
+            callbacks=[to_tune],
+            extra_tags={"raylift.sweep": sweep["name"], "raylift.trial_id": key},
+            # Tune runs one attempt of a trial at a time, and its worker process may
+            # outlive a stopped attempt: the sweep's own lock keeps commands apart.
+            lock=False,
+            # The trial runs on any node: MLflow is reached through the sweep's
+            # tracking actor, on the sweep driver's node.
+            service=sweep["tracking"],
+        )
 
 
 # ---------------------------------------------------------------- the sweep

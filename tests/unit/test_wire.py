@@ -18,10 +18,10 @@ NODES = ["a", "a", "b", "b"]
 
 
 def test_ring_bytes_per_rank() -> None:
-    assert sent("all_reduce", 4, 1000, 1000) == 1500
-    assert sent("all_gather", 4, 250, 1000) == 750
-    assert sent("reduce_scatter", 4, 1000, 250) == 750
-    assert sent("all_reduce", 1, 1000, 1000) == 0  # a group of one sends nothing
+    assert sent("all_reduce", 4, 1000) == 1500
+    assert sent("all_gather", 4, 250) == 750
+    assert sent("reduce_scatter", 4, 1000) == 750
+    assert sent("all_reduce", 1, 1000) == 0  # a group of one sends nothing
 
 
 def collectives(rank: int, world: int, out: str) -> None:

@@ -51,7 +51,7 @@ def nbytes(shapes: Sequence[Sequence[int]], dtypes: Sequence[str]) -> int:
     return total
 
 
-def sent(kind: str, group: int, inputs: int, outputs: int) -> float:
+def sent(kind: str, group: int, inputs: int) -> float:
     """Bytes one rank sends for one collective on a group of ``group`` ranks."""
     if group <= 1:
         return 0.0
@@ -121,8 +121,7 @@ def measure(entries: list[dict[str, Any]], nodes: Sequence[str]) -> StepBytes:
             spans[name] = (len(ranks), len({nodes[r] for r in ranks}) > 1)
         size, crosses = spans[name]
         inputs = nbytes(e["input_sizes"], e["input_dtypes"])
-        outputs = nbytes(e["output_sizes"], e["output_dtypes"])
-        out.add(kind, crosses, sent(kind, size, inputs, outputs))
+        out.add(kind, crosses, sent(kind, size, inputs))
     return out
 
 

@@ -232,7 +232,7 @@ def reports_to_tune() -> Iterator[UserCallback]:
             except Full:
                 continue
         relay.join()
-        queue.shutdown()
+        queue.shutdown(force=True)  # nothing in it is wanted now: no grace period
     if failed:
         raise failed[0]
 

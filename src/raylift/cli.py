@@ -275,20 +275,21 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from raylift.run.plan import make_plan, render
+    from raylift.run.plan import PlanError, make_plan, render
 
     cfg = load_config(args.config, args.overrides)
     if args.gpus < 1 or args.gpu_mem <= 0:
         print("raylift: --gpus must be >= 1 and --gpu-mem > 0 (GiB)", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.nodes < 1 or args.gpus % args.nodes:
-        print(f"raylift: --nodes {args.nodes} must divide --gpus {args.gpus}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     # --gpus plans GPU workers whatever the config says: `precision: auto` is resolved as
     # on an Ampere or newer GPU, not as on the host the plan is made on (a laptop's CPU
     # with or without bf16 would otherwise change every activation figure).
     cfg = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, use_gpu=True))
-    plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes)
+    try:
+        plan = make_plan(cfg, args.gpus, args.gpu_mem, args.nodes)
+    except PlanError as exc:
+        print(f"raylift: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(render(plan, args.gpus, args.gpu_mem))
     return EXIT_OK
 

@@ -81,6 +81,10 @@ def test_plan_command_prints_a_table_and_the_choice(capsys: pytest.CaptureFixtur
         assert f"\n{label} " in out
     assert "choice (strategy: auto): {'name': 'ddp'}" in out
     assert main(["plan", str(GPT), "--gpus", "0", "--gpu-mem", "16"]) == 2
+    capsys.readouterr()
+    assert main(["plan", str(GPT), "--gpus", "4", "--nodes", "3", "--gpu-mem", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["raylift: --nodes 3 must divide --gpus 4; give a divisor of 4"], err
 
 
 def test_the_plan_is_for_gpus_whatever_host_makes_it(capsys: pytest.CaptureFixture[str]) -> None:

@@ -205,12 +205,16 @@ def refusals(cfg: Config, row: PlanRow, gpus: int = 0, per_node: int = 1) -> lis
     return config_problems(dataclasses.replace(cfg, strategy=strategy, scaling=scaling))
 
 
+class PlanError(ValueError):
+    """A plan that cannot be made as asked: the message names the fix."""
+
+
 def make_plan(cfg: Config, gpus: int, gpu_mem_gib: float, nodes: int = 1) -> Plan:
     """Each strategy's memory per worker and bytes on the wire per step, at ``gpus``
     workers over ``nodes`` nodes, and the first that fits: least communication first,
     and where the run spans nodes, least across nodes first."""
     if nodes < 1 or gpus % nodes:
-        raise ValueError(f"--nodes: {nodes} does not divide --gpus {gpus}; give a divisor")
+        raise PlanError(f"--nodes {nodes} must divide --gpus {gpus}; give a divisor of {gpus}")
     split = param_split(cfg)  # the model built once on the meta device, for both counts
     trainable, n_params = split.trainable, split.blocks + split.root
     frozen, batch = n_params - trainable, cfg.data.batch_size

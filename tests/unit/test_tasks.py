@@ -294,3 +294,16 @@ def test_prep_progress_counts_the_rows_of_finished_files(
     assert said[-1].startswith("raylift: prep wrote splits 'train' and 'val': 15 rows")
     only_train = shards.Progress(str(tmp_path / "train"), "split 'train'", None, said.append)
     assert only_train.written()[::2] == (2, 10)  # files, rows
+
+
+def test_the_stdlib_corpus_is_every_py_file_outside_installed_packages(tmp_path: Path) -> None:
+    from raylift.tasks.gpt import corpus_files
+
+    for rel in ("a.py", "pkg/b.py", "pkg/deep/c.py", "site-packages/x/d.py",
+                "pkg/dist-packages/e.py", "notes.txt", "dir.py/f.txt"):  # fmt: skip
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    (tmp_path / "pkg" / "link.py").symlink_to(tmp_path / "missing.py")  # dangling: no file
+    assert corpus_files(tmp_path) == [tmp_path / p for p in ("a.py", "pkg/b.py", "pkg/deep/c.py")]
+    # A root inside an installed package's folder is no corpus at all.
+    assert corpus_files(tmp_path / "site-packages" / "x") == []

@@ -14,6 +14,7 @@ from unittest import mock
 import pytest
 
 from raylift.run.leaving import preemption_line, reserver, silent
+from tests.helpers import HANG_S
 
 HEAD, LEAVING = "aa" * 28, "bb" * 28
 NODES = [
@@ -81,7 +82,7 @@ def test_the_reserver_travels_by_value() -> None:
         """
     )
     done = subprocess.run(
-        [sys.executable, "-c", script], input=data, capture_output=True, timeout=120
+        [sys.executable, "-c", script], input=data, capture_output=True, timeout=HANG_S
     )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "['a']"

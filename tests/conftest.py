@@ -113,12 +113,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def lower_priority() -> None:
     """The worker that runs the tests off Ray, from its first such test on: at the ranks'
-    niceness, below Ray's workers (15), so that the tests on Ray (one after another, the
-    suite's longest lane) take the CPU first and these the rest. Alone, tune and
-    shipped_runs left a fifth of the two cores idle and took 492 s; beside these tests at
-    a higher priority than Ray's workers, 1345 s, and a Ray run's controller, actors and
-    timers spend CPU for as long as it lasts. Not in a run without xdist, whose one
-    process also runs the tests on Ray."""
+    niceness, so that the tests on Ray (one after another, the suite's longest lane) take
+    the CPU first and these the rest. Alone, those tests left a fifth of the two cores
+    idle and ran in a third of the time they took beside these at equal priority: a Ray
+    run's controller, actors and timers spend CPU for as long as the run lasts. Not in a
+    run without xdist, whose one process also runs the tests on Ray."""
     from tests.helpers import RANK_NICENESS
 
     if os.environ.get("PYTEST_XDIST_WORKER"):

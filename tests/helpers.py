@@ -184,10 +184,7 @@ def make_trainer(
     return Trainer(cfg, task, ctx)
 
 
-# The lowest priority: Ray starts its worker processes (a run's workers, its controller,
-# raylift's actors) at niceness 15 (its worker_niceness), and ranks at 10 took the CPU
-# from them.
-RANK_NICENESS = 19
+RANK_NICENESS = 10
 # Each gloo process group a job creates (a mesh's dimensions, DeepSpeed's and fairscale's
 # groups) keeps a gloo_tcp_loop thread that wakes about 100 times a second for as long as its
 # process lives, and a pool's ranks live for the whole session: half an hour into the suite,

@@ -39,8 +39,7 @@ _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os
 # for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
 # scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
 # each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
-# other worker runs the unit tests, one process (or one pair of ranks) at a time, at a
-# lower priority (lower_priority).
+# other worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
 OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py", "test_drain.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
@@ -96,32 +95,18 @@ _WAITED: list[bool] = []
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures: a module's runs start there
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On the other worker, at its first test: lower its priority, and wait until the alone
-    tests are done (at most an hour, should their worker die)."""
+    """On the other worker: wait until the alone tests are done (at most an hour, should
+    their worker die)."""
     import time
 
     if _WAITED or lane(item) == 0 or group(item) == "ray":
         return
     _WAITED.append(True)
-    lower_priority()
     if not any(lane(other) == 0 for other in item.session.items):
         return
     marker, deadline = _alone_done_marker(), time.monotonic() + 3600
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
-
-
-def lower_priority() -> None:
-    """The worker that runs the tests off Ray, from its first such test on: at the ranks'
-    niceness, so that the tests on Ray (one after another, the suite's longest lane) take
-    the CPU first and these the rest. Alone, those tests left a fifth of the two cores
-    idle and ran in a third of the time they took beside these at equal priority: a Ray
-    run's controller, actors and timers spend CPU for as long as the run lasts. Not in a
-    run without xdist, whose one process also runs the tests on Ray."""
-    from tests.helpers import RANK_NICENESS
-
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        os.nice(max(0, RANK_NICENESS - os.nice(0)))
 
 
 @pytest.fixture(scope="module")

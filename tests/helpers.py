@@ -217,7 +217,7 @@ def _pool_rank(rank: int, world: int, init_file: str, jobs: Any, results: Any) -
     torch.set_num_threads(1)
     # The session's Ray tests run one after another and set the suite's length: ranks
     # that run beside them on this machine's few cores take the CPU they leave idle.
-    os.nice(max(0, RANK_NICENESS - os.nice(0)))  # its worker may be at it already
+    os.nice(RANK_NICENESS)
     init_pg(rank, world, init_file)
     try:
         while (job := jobs.get()) is not None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from raylift.tasks import build_task, resolve_task, task_problems
-from raylift.tasks.gpt import GPTTask
+from raylift.tasks.gpt import GPTTask, corpus_files
 
 
 def test_digits_stays_uint8_until_the_device() -> None:
@@ -297,8 +297,6 @@ def test_prep_progress_counts_the_rows_of_finished_files(
 
 
 def test_the_stdlib_corpus_is_every_py_file_outside_installed_packages(tmp_path: Path) -> None:
-    from raylift.tasks.gpt import corpus_files
-
     for rel in ("a.py", "pkg/b.py", "pkg/deep/c.py", "site-packages/x/d.py",
                 "pkg/dist-packages/e.py", "notes.txt", "dir.py/f.txt"):  # fmt: skip
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -276,7 +276,7 @@ def save_llama(b: Bench) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.zoo import tokenizer
+    from tests.zoo import zoo_tokenizer
 
     folder = b.tmp / "llama"
     if (folder / "config.json").is_file():
@@ -287,9 +287,7 @@ def save_llama(b: Bench) -> Path:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
-    tokenizer([p.read_text() for p in sorted((REPO / "tests").glob("*.py"))]).save_pretrained(
-        folder
-    )
+    zoo_tokenizer().save_pretrained(folder)
     return folder
 
 

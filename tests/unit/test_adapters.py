@@ -20,6 +20,7 @@ from raylift.tasks import build_task
 from raylift.tensors.adapters import attach, base_name, is_adapter, targets, trainable_numel
 from raylift.tensors.init import write_in_place
 from raylift.validation import config_from_dict
+from tests.corpora import documents
 from tests.helpers import (
     GPT_SMALL,
     SHIPPED_TRAINING,
@@ -44,12 +45,12 @@ STRATEGIES = {
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama as a user has one: ``save_pretrained`` of random weights, with a BPE
-    tokenizer trained here on text of this machine (nothing downloaded)."""
+    tokenizer trained here on standard-library text (nothing downloaded; not the tests'
+    own files, an edit to which would change the runs' tokens)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    here = Path(__file__).parent
-    text = [p.read_text() for p in sorted(here.glob("test_*.py"))[:8]]
+    text = documents(30)
     bpe = Tokenizer(models.BPE(unk_token="[UNK]"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel()
     bpe.train_from_iterator(

@@ -139,12 +139,14 @@ class VerifiedFile(io.RawIOBase):
         self.path = f"{str(where).rstrip('/')}/{listed.name}"  # for messages
         self._pos = 0
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._held = 0  # the cache's bytes, kept as it changes: a read must not sum it
         self.failed: CheckpointError | None = None  # the mismatch a read raised
 
     def close(self) -> None:
         if not self.closed:
             self._release()
             self._cache.clear()
+            self._held = 0
         super().close()
 
     def readable(self) -> bool:
@@ -190,11 +192,12 @@ class VerifiedFile(io.RawIOBase):
             got.update(self._fetch(i, end))
             i = end + 1
         for j in range(first, fetch_to + 1):
+            if j not in self._cache:
+                self._held += len(got[j])
             self._cache[j] = got[j]
             self._cache.move_to_end(j)
-        held = sum(len(b) for b in self._cache.values())
-        while held > CACHE_BYTES and len(self._cache) > 1:  # the oldest go first
-            held -= len(self._cache.popitem(last=False)[1])
+        while self._held > CACHE_BYTES and len(self._cache) > 1:  # the oldest go first
+            self._held -= len(self._cache.popitem(last=False)[1])
         return [got[j] for j in wanted]
 
     def _small_after(self, last: int) -> int:

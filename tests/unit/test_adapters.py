@@ -70,7 +70,12 @@ def lora_run(folder: Path, strategy: dict, **more: Any) -> dict:
         **merge(
             {
                 "task": "hf-causal-lm",
-                "task_args": {"model": str(folder), "block_size": 32, "max_bytes": 300_000},
+                "task_args": {
+                    "model": str(folder),
+                    "block_size": 32,
+                    "max_bytes": 300_000,
+                    "val_percent": 1,
+                },
                 "model": {"adapter": {"type": "lora", "r": 8, "alpha": 16}},
                 "strategy": strategy,
                 "checkpoint": {"every_n_steps": 15},

@@ -37,7 +37,7 @@ LLAMA = {
     "max_position_embeddings": 64,
     "tie_word_embeddings": True,
 }
-TASK_ARGS = {"model": LLAMA, "block_size": 32, "max_bytes": 300_000}
+TASK_ARGS = {"model": LLAMA, "block_size": 32, "max_bytes": 300_000, "val_percent": 1}
 
 
 def hf_config(**more: dict) -> dict:

@@ -10,6 +10,7 @@ test_drain)."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,24 +114,22 @@ def test_hsdp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory) -
     ids=["hsdp-to-fsdp", "hsdp-to-ddp", "fsdp-to-hsdp"],
 )
 def test_a_checkpoint_resumes_under_another_mesh(
-    tmp_path: Path, saved: dict, resumed: dict, world: int
+    saved_runs: Callable[[dict], Path], tmp_path: Path, saved: dict, resumed: dict, world: int
 ) -> None:
     """Resumed at step 15 under another mesh (on fewer ranks, as after a lost node,
     accumulating what the others did): the uninterrupted curve goes on, within 1e-6, from
     exactly the saved weights. Under HSDP each replica also wrote its whole copy at step 15,
     as each node's memory snapshot: the second node's copy alone resumes the same way."""
-    cfg = gpt(saved, checkpoint={"every_n_steps": 5})
-    saving = train_keeping_copies if saved is HSDP else train_keep_checkpoints
-    run_ranks(WORLD, tmp_path, saving, cfg, str(tmp_path / "full"))
-    full = torch.load(tmp_path / "full" / "loss.pt", weights_only=True)
-    ckpt = tmp_path / "full" / "checkpoint-step00000015"
+    root = saved_runs(saved)
+    full = torch.load(root / "loss.pt", weights_only=True)
+    ckpt = root / "checkpoint-step00000015"
     exported = consolidated_state_dict(ckpt)
     # The same rows a step: each of fewer ranks accumulates what the others did.
     accum = {**GPT_SMALL["train"], "grad_accum": WORLD // world}
     again = gpt(resumed, checkpoint={"every_n_steps": 5}, train=accum)
     sources = {"storage": ckpt}
     if saved is HSDP and resumed is FULL:  # the first node lost: the second's copy serves
-        sources["copy"] = merged_copy(tmp_path / "full", COPIES[1])
+        sources["copy"] = merged_copy(root, COPIES[1], tmp_path)
     for source, folder in sources.items():
         out = tmp_path / f"r-{source}.pt"
         run_ranks(world, tmp_path, resume_and_record, again, str(folder), str(out))
@@ -141,6 +140,25 @@ def test_a_checkpoint_resumes_under_another_mesh(
         assert got["params"].keys() == exported.keys()
         for key, value in exported.items():
             torch.testing.assert_close(got["params"][key], value, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[dict], Path]:
+    """30 steps under a layout, a checkpoint every 5 (under HSDP, each replica's copy at
+    step 15 too): trained once for every resume from that layout."""
+    roots: dict[str, Path] = {}
+
+    def saved(layout: dict) -> Path:
+        key = "hsdp" if layout is HSDP else "fsdp"
+        if key not in roots:
+            root = tmp_path_factory.mktemp(f"saved-{key}") / "full"
+            saving = train_keeping_copies if layout is HSDP else train_keep_checkpoints
+            cfg = gpt(layout, checkpoint={"every_n_steps": 5})
+            run_ranks(WORLD, root.parent, saving, cfg, str(root))
+            roots[key] = root
+        return roots[key]
+
+    return saved
 
 
 # Two nodes' replicas, as Mesh.replicas() names them where Ray put ranks 0, 1 on one node
@@ -172,10 +190,11 @@ def train_keeping_copies(rank: int, world: int, cfg_dict: dict, root: str) -> No
         torch.save(tracker.series("train_loss"), Path(root) / "loss.pt")
 
 
-def merged_copy(root: Path, ranks: tuple[int, ...]) -> Path:
-    """One replica's parts in one folder, as a restore fetches them from a node's keeper;
-    the copy holds the whole state: about the storage checkpoint's bytes, not a share."""
-    into = root / f"copy-{'-'.join(map(str, ranks))}"
+def merged_copy(root: Path, ranks: tuple[int, ...], tmp: Path) -> Path:
+    """One replica's parts in one folder under ``tmp``, as a restore fetches them from a
+    node's keeper; the copy holds the whole state: about the storage checkpoint's bytes,
+    not a share."""
+    into = tmp / f"copy-{'-'.join(map(str, ranks))}"
     for rank in ranks:
         shutil.copytree(root / f"part-{rank}", into, dirs_exist_ok=True)
     engine = sum(p.stat().st_size for p in (into / "engine").iterdir())

@@ -120,9 +120,10 @@ SESSION: dict[str, str] = {}  # what the session's Ray was started with
 
 @pytest.hookimpl(trylast=True)  # after xdist has stopped its workers
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from tests.helpers import close_pools
+    from tests.helpers import close_pools, stop_fork_server
 
-    close_pools()  # the spawned ranks the unit tests shared
+    close_pools()  # the ranks the unit tests shared
+    stop_fork_server()
     _alone_done_marker().unlink(missing_ok=True)
     if hasattr(session.config, "workerinput"):
         return

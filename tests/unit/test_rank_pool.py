@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from tests import helpers
@@ -42,3 +43,39 @@ def test_a_pool_is_reused_until_its_ranks_hold_too_many_gloo_groups(tmp_path: Pa
     fresh = pids(out, 2)
     assert not set(fresh) & set(first), (first, fresh)  # the retired ranks were replaced
     assert int(Path(f"{out}-0").read_text().split()[1]) == loops
+
+
+def describe_rank(rank: int, world: int, out: str) -> None:
+    """This rank's parent, whether the preloaded modules were there before the job's own
+    imports, and the variable the test set before the pool started."""
+    import json
+    import os
+    import sys
+
+    preloaded = [m for m in helpers.PRELOAD if m in sys.modules]
+    seen = {"parent": os.getppid(), "preloaded": preloaded,
+            "mark": os.environ.get("RAYLIFT_POOL_TEST")}  # fmt: skip
+    Path(f"{out}-{rank}").write_text(json.dumps(seen))
+
+
+def test_ranks_are_forked_from_a_server_that_imported_their_modules_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank starts with torch, transformers, DeepSpeed and raylift already imported (by
+    the fork server, once) and with the environment of the test that started its pool,
+    as a spawned one would have."""
+    import json
+    import os
+
+    helpers.close_pools()
+    monkeypatch.setenv("RAYLIFT_POOL_TEST", "set before the pool")
+    out = tmp_path / "rank"
+    run_ranks(2, tmp_path, describe_rank, str(out))
+    seen = [json.loads(Path(f"{out}-{r}").read_text()) for r in range(2)]
+    assert {s["parent"] for s in seen} != {os.getpid()}  # the server's children, not ours
+    for s in seen:
+        assert s["preloaded"] == helpers.PRELOAD and s["mark"] == "set before the pool", s
+    helpers.close_pools()
+    helpers.stop_fork_server()  # and a later pool starts another
+    run_ranks(2, tmp_path, describe_rank, str(out))
+    assert json.loads(Path(f"{out}-0").read_text())["parent"] not in {s["parent"] for s in seen}

@@ -251,6 +251,8 @@ PRELOAD = [
     "torch", "torch.distributed", "transformers", "transformers.modeling_utils", "peft",
     "deepspeed", "fairscale", "raylift.strategies.registry", "raylift.tasks.hf", "tests.helpers",
     "tests.zoo",
+    # DeepSpeed's engine imports it at its first start: torch.compile at import, inductor.
+    "deepspeed.runtime.zero.muon.muon_optimizer",
 ]  # fmt: skip
 
 

@@ -44,8 +44,9 @@ def run(folder: Path, quick: bool) -> tuple[float, str, int]:
     seconds, output, exit code."""
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_ADDRESS")}
     env["RAYLIFT_TEST_CACHE"] = tempfile.mkdtemp(prefix="raylift-suite-cache-")
-    # Every phase's time, not only the slowest: the lanes' totals come from them.
-    env["PYTEST_ADDOPTS"] = ('-m "not slow" ' if quick else "") + "--durations=0"
+    # Every phase's time, not only the slowest, and the worker each test ran on (-v): the
+    # lanes' totals come from them.
+    env["PYTEST_ADDOPTS"] = ('-m "not slow" ' if quick else "") + "--durations=0 -v"
     started = time.perf_counter()
     done = subprocess.run(["bash", ".ci/run"], cwd=folder, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -68,13 +69,24 @@ def slowest(output: str, n: int) -> list[list[str]]:
     return [[f"{s:.1f} s", phase, test] for s, phase, test in sorted(rows, reverse=True)[:n]]
 
 
+RAN_ON = re.compile(r"^\[(?P<worker>gw\d+)\] \[ *\d+%\] \w+ (?P<test>\S+)", re.M)
+OWN_RAY = "@own-ray"  # the xdist group of the scenarios with Rays of their own
+
+
 def lanes(output: str) -> list[list[str]]:
-    """The seconds of test phases in each lane: the tests on Ray (one worker, in order,
-    the suite's longest path) and the rest (the other worker)."""
-    totals = {"on Ray (one worker, in order)": 0.0, "the rest": 0.0}
+    """The seconds of test phases on each of the two workers (as ``-v`` names them): the
+    one that ran the session's Ray tests (in order: the suite's longest path) and the
+    other; and the scenarios with Rays of their own, which go to the worker free first."""
+    worker = {m["test"]: m["worker"] for m in RAN_ON.finditer(output)}
+    ray = {w for t, w in worker.items() if t.endswith("@ray")}
+    totals = {"the session's Ray tests' worker": 0.0, "the other worker": 0.0,
+              "of both, the scenarios with Rays of their own": 0.0}  # fmt: skip
     for m in DURATION.finditer(output):
-        key = "on Ray (one worker, in order)" if m["test"].endswith("@ray") else "the rest"
-        totals[key] += float(m["s"])
+        test, s = m["test"], float(m["s"])
+        on_ray = worker[test] in ray if test in worker else test.endswith("@ray")
+        totals["the session's Ray tests' worker" if on_ray else "the other worker"] += s
+        if test.endswith(OWN_RAY):
+            totals["of both, the scenarios with Rays of their own"] += s
     return [[lane, minutes(s)] for lane, s in totals.items()]
 
 

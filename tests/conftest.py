@@ -30,22 +30,18 @@ os.environ.setdefault("XDG_CACHE_HOME", str(CACHE / "xdg"))
 _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os.environ
 
 
-# Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup, and
-# --no-loadscope-reorder: the work goes out in the order below); each is a session of its
-# own. The tests on the session's Ray are in the group "ray", which one worker runs in
+# Two pytest-xdist workers share the 2 cores (pyproject: -n 2 --dist loadgroup); each is a
+# session of its own. The tests on Ray are in the group "ray", which one worker runs in
 # order, one at a time, each run of a test after the one before it: a 2-worker run fills
 # the two cores by itself, and two at once (or a second Ray beside the first) leave each
 # too little to keep Ray's own timers and the autoscaler's. First what must run alone (the
 # doctor's verdicts rest on timings a busy machine would change: the other worker waits
-# for them, in pytest_runtest_setup); then the tests on the session's Ray. The other
-# worker runs the unit tests, one process (or one pair of ranks) at a time, niced below
-# the Ray tests (helpers.RANK_NICENESS); they take about two thirds of the Ray tests'
-# time. Last, the group "own-ray": the scenarios that start Rays of their own, the GPU
-# script's smoke run and two commands that each start a local Ray first, the fake
-# autoscaling cluster and the drained nodes after them. The worker that is free first takes
-# them: the unit tests' worker, while the session's Ray runs its last tests.
+# for them, in pytest_runtest_setup); then the tests on the session's Ray; last the
+# scenarios that start Rays of their own (the fake autoscaling cluster, two commands that
+# each start a local Ray, the GPU script's smoke run), with the session's Ray idle. The
+# other worker runs the unit tests, one process (or one pair of ranks) at a time.
 ALONE = ("test_doctor.py",)
-OWN_RAY = ("test_gpu_script.py", "test_own_ray.py", "test_autoscaler.py", "test_drain.py")
+OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py", "test_drain.py")
 ON_RAY = {"ray_cluster", "ray_jobs", "mlflow_server"}  # the group's fixtures
 
 
@@ -58,25 +54,18 @@ def lane(item: pytest.Item) -> int:
     return 1 if "integration" in item.path.parts else 2
 
 
-def order(item: pytest.Item) -> tuple[int, int]:
-    name = item.path.name
-    return lane(item), OWN_RAY.index(name) if name in OWN_RAY else 0
-
-
 def on_ray(item: pytest.Item) -> bool:
-    return lane(item) in (0, 1) or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
+    return lane(item) != 2 or bool(ON_RAY & set(getattr(item, "fixturenames", ())))
 
 
 def group(item: pytest.Item) -> str | None:
-    """The item's xdist group: "ray", "own-ray", or None (any worker)."""
-    if lane(item) == 3:
-        return "own-ray"
+    """The item's xdist group: "ray", or None (any worker)."""
     return "ray" if on_ray(item) else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=order)  # stable: within a lane (and a module), as collected
+    items.sort(key=lane)  # stable: within a lane, as collected
     for item in items:
         if name := group(item):
             item.add_marker(pytest.mark.xdist_group(name))

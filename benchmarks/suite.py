@@ -70,23 +70,25 @@ def slowest(output: str, n: int) -> list[list[str]]:
 
 
 RAN_ON = re.compile(r"^\[(?P<worker>gw\d+)\] \[ *\d+%\] \w+ (?P<test>\S+)", re.M)
-OWN_RAY = "@own-ray"  # the xdist group of the scenarios with Rays of their own
+# The scenarios that start Rays of their own, the Ray lane's last (tests/conftest.py's OWN_RAY).
+OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py", "test_drain.py")
 
 
 def lanes(output: str) -> list[list[str]]:
-    """The seconds of test phases on each of the two workers (as ``-v`` names them): the
-    one that ran the session's Ray tests (in order: the suite's longest path) and the
-    other; and the scenarios with Rays of their own, which go to the worker free first."""
+    """The seconds of test phases on each of the two workers (as ``-v`` names them, else
+    by the group in the test's id): the one that ran the tests on Ray (in order: the
+    suite's longest path), the scenarios with Rays of their own among them, and the other."""
     worker = {m["test"]: m["worker"] for m in RAN_ON.finditer(output)}
     ray = {w for t, w in worker.items() if t.endswith("@ray")}
-    totals = {"the session's Ray tests' worker": 0.0, "the other worker": 0.0,
-              "of both, the scenarios with Rays of their own": 0.0}  # fmt: skip
+    totals = {"on Ray (one worker, in order)": 0.0,
+              "of it, the scenarios with Rays of their own (last)": 0.0,
+              "the rest (the other worker)": 0.0}  # fmt: skip
     for m in DURATION.finditer(output):
         test, s = m["test"], float(m["s"])
         on_ray = worker[test] in ray if test in worker else test.endswith("@ray")
-        totals["the session's Ray tests' worker" if on_ray else "the other worker"] += s
-        if test.endswith(OWN_RAY):
-            totals["of both, the scenarios with Rays of their own"] += s
+        totals["on Ray (one worker, in order)" if on_ray else "the rest (the other worker)"] += s
+        if test.split("::")[0].rpartition("/")[2] in OWN_RAY:
+            totals["of it, the scenarios with Rays of their own (last)"] += s
     return [[lane, minutes(s)] for lane, s in totals.items()]
 
 

@@ -337,7 +337,8 @@ def close_pools() -> None:
 def stop_fork_server() -> None:
     """The fork server the ranks came from: it would end with this process, but the
     suite's last check (tests/survivors.py) wants nothing of the suite left before that.
-    Python has no public call for it; this one has been there since 3.8 (test_rank_pool)."""
+    Python has no public call for it: this private one is Python 3.11's, and
+    test_rank_pool stops a server with it and sees another start."""
     from multiprocessing import forkserver
 
     forkserver._forkserver._stop()

@@ -312,3 +312,27 @@ def test_a_run_mlflow_could_not_open_is_named_as_the_cause(ray_cluster: str) -> 
     end_unfinished(Store(), dataclasses.replace(spec, run_id=ray.put("abc")), "KILLED")
     end_unfinished(Store(), dataclasses.replace(spec, run_id="def"), "FAILED")
     assert ended == [("abc", "KILLED"), ("def", "FAILED")]
+
+
+def test_a_ctrl_c_that_ray_trains_handler_turns_into_an_exit_is_seen_as_one() -> None:
+    """Ray Train's SIGINT handler aborts the controller and the driver's wait ends in
+    ``SystemExit(1)``: raylift still knows it was a Ctrl-C, whichever handler took it."""
+    import os
+    import signal
+
+    from raylift.run.launch import sigint_seen
+
+    def rays_handler(signum: int, frame: Any) -> None:
+        pass  # Ray's aborts the run and returns; its ray.get then raises SystemExit(1)
+
+    previous = signal.signal(signal.SIGINT, rays_handler)
+    try:
+        with sigint_seen() as interrupted:
+            assert not interrupted()
+            os.kill(os.getpid(), signal.SIGINT)
+            assert interrupted()
+        with sigint_seen() as interrupted:  # a fresh scope: the last one's signal is not seen
+            assert not interrupted()
+        assert signal.set_wakeup_fd(-1) == -1  # given back as it was found
+    finally:
+        signal.signal(signal.SIGINT, previous)

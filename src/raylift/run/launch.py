@@ -13,9 +13,11 @@ import dataclasses
 import functools
 import math
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from raylift.artifacts import mlmodel, tracking, tracking_service
@@ -460,11 +462,48 @@ def prepare_data(
     return manifest, cache
 
 
+@contextlib.contextmanager
+def sigint_seen() -> Iterator[Callable[[], bool]]:
+    """Whether a SIGINT arrived inside, whichever Python handler took it: Ray Train's own
+    (registered by ``fit()``) aborts the controller and leaves the driver a
+    ``SystemExit(1)``, not a ``KeyboardInterrupt``. Python writes each signal's number to
+    the wakeup fd before any handler runs. Off the main thread (a Tune trial), or where
+    something else holds the wakeup fd, it answers False."""
+    read, write = os.pipe()
+    os.set_blocking(read, False)
+    os.set_blocking(write, False)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False) if main else -1
+    if previous != -1:
+        signal.set_wakeup_fd(previous)  # not ours to take
+    got: list[int] = []
+
+    def seen() -> bool:
+        with contextlib.suppress(BlockingIOError):
+            got.extend(os.read(read, 512))
+        return signal.SIGINT in got
+
+    try:
+        yield seen
+    finally:
+        if main and previous == -1:
+            signal.set_wakeup_fd(-1)
+        os.close(read)
+        os.close(write)
+
+
 def fit(trainer: Any, spec: RunSpec, store: Any) -> Any:
-    """``trainer.fit()``; the MLflow run is closed as failed or killed if it does not finish."""
+    """``trainer.fit()``; the MLflow run is closed as failed or killed if it does not
+    finish. A Ctrl-C reaches the caller as ``KeyboardInterrupt`` (the run is KILLED)."""
     status = "FAILED"
     try:
-        result = trainer.fit()
+        with sigint_seen() as interrupted:
+            try:
+                result = trainer.fit()
+            except SystemExit:
+                if not interrupted():
+                    raise
+                raise KeyboardInterrupt from None
         status = "FINISHED"
     except KeyboardInterrupt:
         status = "KILLED"

@@ -53,18 +53,17 @@ def worst(curve: dict[int, float], ref: dict[int, float]) -> float:
     return max(abs(curve[s] - v) / abs(v) for s, v in ref.items())
 
 
-def test_hsdp_follows_ddp_on_gpt(tmp_path: Path) -> None:
+def test_hsdp_follows_ddp_on_gpt(tmp_path: Path, ddp_on_four: dict[str, Any]) -> None:
     runs = {
-        "ddp": gpt({"name": "ddp"}),
         "hsdp": gpt(HSDP),
         "hsdp-ac": gpt({**HSDP, "activation_checkpointing": True}),
         "fsdp": gpt(FULL),
     }
     run_ranks(WORLD, tmp_path, train_runs, runs, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    ref = got["ddp"]["loss"]
+    ref = ddp_on_four["gpt"]["loss"]
     assert ref[30] < 0.8 * ref[1]  # it learned
-    table = {name: worst(got[name]["loss"], ref) for name in runs if name != "ddp"}
+    table = {name: worst(got[name]["loss"], ref) for name in runs}
     print(table)
     assert all(v <= TOLERANCE for v in table.values()), table
     # Sharded over 2, not 4: each rank holds half the optimizer state, not a quarter.
@@ -72,36 +71,32 @@ def test_hsdp_follows_ddp_on_gpt(tmp_path: Path) -> None:
     assert hsdp == pytest.approx(2 * full, rel=0.05), (hsdp, full)
 
 
-def test_hsdp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory) -> None:
-    pytest.importorskip("transformers")
-    from tests.zoo import save_zoo, zoo_config, zoo_train
-
+def test_hsdp_follows_ddp_on_the_zoo(
+    tmp_path_factory: pytest.TempPathFactory, ddp_on_four: dict[str, Any]
+) -> None:
     """Then each HSDP run exported (``--format hf``, and ``peft`` for LoRA) and loaded back
     by transformers, with the trained model's logits."""
     from tests.unit.test_zoo import export_and_reload
+    from tests.zoo import zoo_config, zoo_train
 
-    zoo = save_zoo(tmp_path_factory.mktemp("zoo"), ["llama-tied", "qwen3", "mixtral"])
-    curves, roots, configs = {}, {}, {}
-    for strategy in ({"name": "ddp"}, HSDP):
-        root = roots[strategy["name"]] = tmp_path_factory.mktemp(strategy["name"])
-        runs = configs[strategy["name"]] = {
-            f"{arch}{'-lora' if lora else ''}": merge(
-                zoo_config(folder, strategy, lora),
-                {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
-            )
-            for arch, folder in zoo.items()
-            for lora in ((False, True) if arch == "llama-tied" else (False,))
-        }
-        run_ranks(WORLD, root, zoo_train, runs, str(root))
-        curves[strategy["name"]] = torch.load(root / "train.pt", weights_only=True)
-    table = {
-        run: worst(curves["fsdp"][run]["loss"], curves["ddp"][run]["loss"]) for run in curves["ddp"]
+    root = tmp_path_factory.mktemp("hsdp")
+    runs = {
+        f"{arch}{'-lora' if lora else ''}": merge(
+            zoo_config(folder, HSDP, lora),
+            {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
+        )
+        for arch, folder in ddp_on_four["zoo"].items()
+        for lora in ((False, True) if arch == "llama-tied" else (False,))
     }
+    run_ranks(WORLD, root, zoo_train, runs, str(root))
+    curves = torch.load(root / "train.pt", weights_only=True)
+    ref = ddp_on_four["zoo_curves"]
+    table = {run: worst(curves[run]["loss"], ref[run]["loss"]) for run in runs}
     print(table)
     assert set(table) == {"llama-tied", "llama-tied-lora", "qwen3", "mixtral"}
     assert all(v <= TOLERANCE for v in table.values()), table
-    for run, cfg in configs["fsdp"].items():
-        export_and_reload(run, cfg, roots["fsdp"], curves["fsdp"][run]["logits"])
+    for run, cfg in runs.items():
+        export_and_reload(run, cfg, root, curves[run]["logits"])
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ a checkpoint saved under TP 2 resumed under TP 1 and under DDP, and what is refu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,50 +29,48 @@ pytestmark = pytest.mark.slow
 TP = {"name": "fsdp", "tp": 2}  # shard 2 x tp 2 on one host
 
 
-def test_fsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:
+def test_fsdp_tp_follows_ddp_on_gpt(tmp_path: Path, ddp_on_four: dict[str, Any]) -> None:
     runs = {
-        "ddp": gpt({"name": "ddp"}),
         "fsdp-tp": gpt(TP),
         "fsdp-tp-ac": gpt({**TP, "activation_checkpointing": True}),
     }
     run_ranks(WORLD, tmp_path, train_runs, runs, str(tmp_path / "out.pt"))
     got = torch.load(tmp_path / "out.pt", weights_only=True)
-    ref = got["ddp"]["loss"]
+    ref = ddp_on_four["gpt"]["loss"]
     assert ref[30] < 0.8 * ref[1]  # it learned
-    table = {name: worst(got[name]["loss"], ref) for name in runs if name != "ddp"}
+    table = {name: worst(got[name]["loss"], ref) for name in runs}
     print(table)
     assert all(v <= TOLERANCE for v in table.values()), table
     layout = "mesh: replicate 1 x shard 2 (within a node) x tp 2 (within a node)"
     assert got["fsdp-tp"]["layout"] == layout
 
 
-def test_fsdp_tp_follows_ddp_on_the_zoo(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_fsdp_tp_follows_ddp_on_the_zoo(
+    tmp_path_factory: pytest.TempPathFactory, ddp_on_four: dict[str, Any]
+) -> None:
     """The models' own plans (``base_model_tp_plan``): Llama's, and Qwen3's, whose per-head
     norms are whole on every rank with their gradients summed. Each TP run exported
     (``--format hf``) loads in transformers with the trained model's logits."""
-    pytest.importorskip("transformers")
     from tests.unit.test_zoo import export_and_reload
-    from tests.zoo import save_zoo, zoo_config, zoo_train
+    from tests.zoo import zoo_config, zoo_train
 
-    zoo = save_zoo(tmp_path_factory.mktemp("zoo"), ["llama-tied", "qwen3"])
-    curves, roots, configs = {}, {}, {}
-    for name, strategy in (("ddp", {"name": "ddp"}), ("tp", TP)):
-        root = roots[name] = tmp_path_factory.mktemp(name)
-        runs = configs[name] = {
-            arch: merge(
-                zoo_config(folder, strategy, False),
-                {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
-            )
-            for arch, folder in zoo.items()
-        }
-        run_ranks(WORLD, root, zoo_train, runs, str(root))
-        curves[name] = torch.load(root / "train.pt", weights_only=True)
-    table = {run: worst(curves["tp"][run]["loss"], curves["ddp"][run]["loss"]) for run in zoo}
+    root = tmp_path_factory.mktemp("tp")
+    zoo = {arch: ddp_on_four["zoo"][arch] for arch in ("llama-tied", "qwen3")}
+    runs = {
+        arch: merge(
+            zoo_config(folder, TP, False), {"train": THIRTY, "checkpoint": {"every_n_steps": 30}}
+        )
+        for arch, folder in zoo.items()
+    }
+    run_ranks(WORLD, root, zoo_train, runs, str(root))
+    curves = torch.load(root / "train.pt", weights_only=True)
+    ref = ddp_on_four["zoo_curves"]
+    table = {run: worst(curves[run]["loss"], ref[run]["loss"]) for run in zoo}
     print(table)
-    assert all(curves["tp"][run]["layout"].endswith("x tp 2 (within a node)") for run in zoo)
+    assert all(curves[run]["layout"].endswith("x tp 2 (within a node)") for run in zoo)
     assert all(v <= TOLERANCE for v in table.values()), table
-    for run, cfg in configs["tp"].items():
-        export_and_reload(run, cfg, roots["tp"], curves["tp"][run]["logits"])
+    for run, cfg in runs.items():
+        export_and_reload(run, cfg, root, curves[run]["logits"])
 
 
 def test_hsdp_tp_follows_ddp_on_gpt(tmp_path: Path) -> None:

@@ -68,6 +68,15 @@ def test_a_nan_loss_under_stop_fails_the_run_through_ray(
     packages = {m.split(".")[0] for m in imported if not m.startswith("_")}
     assert not packages & NOT_FOR_DDP, sorted(packages & NOT_FOR_DDP)
     assert packages <= DDP_WORKER, sorted(packages - DDP_WORKER)
+    # The run's Train controller ends with it, though this process lives on: Ray Train's
+    # SIGINT handler, which holds it, is not left behind.
+    import ray
+    from ray.util.state import list_actors
+
+    mine = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE"),
+            ("job_id", "=", ray.get_runtime_context().get_job_id())]  # fmt: skip
+    wait_until(lambda: not list_actors(filters=mine), "the failed run's controller to end",
+               seen=lambda: list_actors(filters=mine))  # fmt: skip
 
 
 def find_only_run(tmp: Path) -> str:

@@ -325,12 +325,18 @@ def test_a_ctrl_c_that_ray_trains_handler_turns_into_an_exit_is_seen_as_one() ->
     def rays_handler(signum: int, frame: Any) -> None:
         pass  # Ray's aborts the run and returns; its ray.get then raises SystemExit(1)
 
-    previous = signal.signal(signal.SIGINT, rays_handler)
+    def users_handler(signum: int, frame: Any) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGINT, users_handler)
     try:
         with sigint_seen() as interrupted:
+            signal.signal(signal.SIGINT, rays_handler)  # as fit() registers Ray Train's
             assert not interrupted()
             os.kill(os.getpid(), signal.SIGINT)
             assert interrupted()
+        # Ray Train's handler (it holds the run's controller) is gone with the run.
+        assert signal.getsignal(signal.SIGINT) is users_handler
         with sigint_seen() as interrupted:  # a fresh scope: the last one's signal is not seen
             assert not interrupted()
         assert signal.set_wakeup_fd(-1) == -1  # given back as it was found

@@ -468,11 +468,17 @@ def sigint_seen() -> Iterator[Callable[[], bool]]:
     (registered by ``fit()``) aborts the controller and leaves the driver a
     ``SystemExit(1)``, not a ``KeyboardInterrupt``. Python writes each signal's number to
     the wakeup fd before any handler runs. Off the main thread (a Tune trial), or where
-    something else holds the wakeup fd, it answers False."""
+    something else holds the wakeup fd, it answers False.
+
+    The SIGINT handler is given back as it was: Ray Train leaves its own in place after
+    ``fit()``, and that handler holds the run's controller, so the actor would outlive
+    the run for as long as this process does, and a later Ctrl-C would abort a run that
+    has ended and exit."""
     read, write = os.pipe()
     os.set_blocking(read, False)
     os.set_blocking(write, False)
     main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGINT) if main else None
     previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False) if main else -1
     if previous != -1:
         signal.set_wakeup_fd(previous)  # not ours to take
@@ -488,6 +494,8 @@ def sigint_seen() -> Iterator[Callable[[], bool]]:
     finally:
         if main and previous == -1:
             signal.set_wakeup_fd(-1)
+        if handler is not None:  # None: set outside Python, which cannot be set back
+            signal.signal(signal.SIGINT, handler)
         os.close(read)
         os.close(write)
 

@@ -11,6 +11,7 @@ README's line on the suite's length is rendered from this file's result.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import subprocess
@@ -70,8 +71,21 @@ def slowest(output: str, n: int) -> list[list[str]]:
 
 
 RAN_ON = re.compile(r"^\[(?P<worker>gw\d+)\] \[ *\d+%\] \w+ (?P<test>\S+)", re.M)
-# The scenarios that start Rays of their own, the Ray lane's last (tests/conftest.py's OWN_RAY).
-OWN_RAY = ("test_autoscaler.py", "test_own_ray.py", "test_gpu_script.py", "test_drain.py")
+
+
+def own_ray_files() -> tuple[str, ...]:
+    """The scenarios that start Rays of their own, the Ray lane's last: tests/conftest.py's
+    ``OWN_RAY``, read from its source (importing the conftest would import torch)."""
+    tree = ast.parse((REPO / "tests" / "conftest.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "OWN_RAY" for t in node.targets
+        ):
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit("tests/conftest.py defines no OWN_RAY: the lanes cannot be told apart")
+
+
+OWN_RAY = own_ray_files()
 
 
 def lanes(output: str) -> list[list[str]]:

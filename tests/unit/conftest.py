@@ -15,22 +15,14 @@ def ddp_on_four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     (test_hsdp) and FSDP+TP (test_tp) each follow these; training them once a session
     rather than once a module saves three four-rank runs."""
     pytest.importorskip("transformers")
-    from raylift.core.parsing import merge
     from tests.helpers import run_ranks, train_runs
-    from tests.unit.test_hsdp import THIRTY, WORLD, gpt
-    from tests.zoo import save_zoo, zoo_config, zoo_train
+    from tests.unit.test_hsdp import WORLD, gpt, zoo_runs
+    from tests.zoo import save_zoo, zoo_train
 
     root = tmp_path_factory.mktemp("ddp-on-four")
     run_ranks(WORLD, root, train_runs, {"gpt": gpt({"name": "ddp"})}, str(root / "gpt.pt"))
     zoo = save_zoo(root / "zoo", ["llama-tied", "qwen3", "mixtral"])
-    runs = {
-        f"{arch}{'-lora' if lora else ''}": merge(
-            zoo_config(folder, {"name": "ddp"}, lora),
-            {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
-        )
-        for arch, folder in zoo.items()
-        for lora in ((False, True) if arch == "llama-tied" else (False,))
-    }
+    runs = zoo_runs(zoo, {"name": "ddp"})
     (root / "zoo-runs").mkdir()
     run_ranks(WORLD, root / "zoo-runs", zoo_train, runs, str(root / "zoo-runs"))
     return {

@@ -48,6 +48,23 @@ def gpt(strategy: dict[str, Any], **more: Any) -> dict[str, Any]:
     return make_config(**cfg).to_dict()
 
 
+def zoo_thirty(folder: Path, strategy: dict[str, Any], lora: bool = False) -> dict[str, Any]:
+    """A zoo model's config (tests/zoo.py) for 30 steps, one checkpoint at the end."""
+    from tests.zoo import zoo_config
+
+    thirty = {"train": THIRTY, "checkpoint": {"every_n_steps": 30}}
+    return merge(zoo_config(folder, strategy, lora), thirty)
+
+
+def zoo_runs(zoo: dict[str, Path], strategy: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The zoo's Llama (with and without LoRA), Qwen3 and Mixtral under ``strategy``."""
+    return {
+        f"{arch}{'-lora' if lora else ''}": zoo_thirty(folder, strategy, lora)
+        for arch, folder in zoo.items()
+        for lora in ((False, True) if arch == "llama-tied" else (False,))
+    }
+
+
 def worst(curve: dict[int, float], ref: dict[int, float]) -> float:
     assert sorted(curve) == sorted(ref) == list(range(1, 31))
     return max(abs(curve[s] - v) / abs(v) for s, v in ref.items())
@@ -77,17 +94,10 @@ def test_hsdp_follows_ddp_on_the_zoo(
     """Then each HSDP run exported (``--format hf``, and ``peft`` for LoRA) and loaded back
     by transformers, with the trained model's logits."""
     from tests.unit.test_zoo import export_and_reload
-    from tests.zoo import zoo_config, zoo_train
+    from tests.zoo import zoo_train
 
     root = tmp_path_factory.mktemp("hsdp")
-    runs = {
-        f"{arch}{'-lora' if lora else ''}": merge(
-            zoo_config(folder, HSDP, lora),
-            {"train": THIRTY, "checkpoint": {"every_n_steps": 30}},
-        )
-        for arch, folder in ddp_on_four["zoo"].items()
-        for lora in ((False, True) if arch == "llama-tied" else (False,))
-    }
+    runs = zoo_runs(ddp_on_four["zoo"], HSDP)
     run_ranks(WORLD, root, zoo_train, runs, str(root))
     curves = torch.load(root / "train.pt", weights_only=True)
     ref = ddp_on_four["zoo_curves"]

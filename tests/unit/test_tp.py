@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from raylift.artifacts.export import consolidated_state_dict
-from raylift.core.parsing import merge
 from tests.helpers import (
     GPT_SMALL,
     make_config,
@@ -22,7 +21,7 @@ from tests.helpers import (
     train_keep_checkpoints,
     train_runs,
 )
-from tests.unit.test_hsdp import THIRTY, TOLERANCE, WORLD, gpt, worst
+from tests.unit.test_hsdp import TOLERANCE, WORLD, gpt, worst, zoo_thirty
 
 pytestmark = pytest.mark.slow
 
@@ -52,16 +51,11 @@ def test_fsdp_tp_follows_ddp_on_the_zoo(
     norms are whole on every rank with their gradients summed. Each TP run exported
     (``--format hf``) loads in transformers with the trained model's logits."""
     from tests.unit.test_zoo import export_and_reload
-    from tests.zoo import zoo_config, zoo_train
+    from tests.zoo import zoo_train
 
     root = tmp_path_factory.mktemp("tp")
     zoo = {arch: ddp_on_four["zoo"][arch] for arch in ("llama-tied", "qwen3")}
-    runs = {
-        arch: merge(
-            zoo_config(folder, TP, False), {"train": THIRTY, "checkpoint": {"every_n_steps": 30}}
-        )
-        for arch, folder in zoo.items()
-    }
+    runs = {arch: zoo_thirty(folder, TP) for arch, folder in zoo.items()}
     run_ranks(WORLD, root, zoo_train, runs, str(root))
     curves = torch.load(root / "train.pt", weights_only=True)
     ref = ddp_on_four["zoo_curves"]

@@ -17,6 +17,7 @@ from raylift.run.worker import RunSpec
 from raylift.tensors.precision import DeviceFacts
 from tests.helpers import make_config
 
+QUICKSTART = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 GPT_TINY = {"task": "gpt", "task_args": {"max_bytes": 20_000}}
 
 
@@ -110,28 +111,61 @@ def test_placement_is_bounded_in_attempts_of_at_most_a_minute() -> None:
     assert placement_bounds(300.0, "10") == (10.0, 29)  # the environment's attempt length
 
 
-def test_the_token_probe_is_skipped_where_nothing_listens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray's GCS client waits 40 s on a closed port; ray.init reports that case itself."""
+def test_a_ray_address_where_nothing_answers_stops_the_command_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ray.init`` retries a dead GCS address without end, its warnings in the run's log
+    and the console silent: a ``RAY_ADDRESS`` left from a cluster that is gone stops the
+    command instead, exit 2, naming the address and the fix, before anything is written."""
+    import socket
+
+    from raylift.cli import main
+    from raylift.run import connect
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed again below: nothing listens there
+    address = f"127.0.0.1:{port}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    monkeypatch.setattr(connect, "REACH_S", 0.0)  # refused is refused: no 10 s of retries
+    monkeypatch.chdir(tmp_path)
+    assert main(["prep", str(QUICKSTART), "data.shards=./shards"]) == 2
+    err = capsys.readouterr().err
+    said = f"raylift: RAY_ADDRESS={address}: no Ray cluster answers there (Connection refused"
+    assert said in err
+    assert f"`ray start --head --port={port}` on 127.0.0.1" in err and "unset RAY_ADDRESS" in err
+    assert "Traceback" not in err and not (tmp_path / "shards").exists()
+    # Where Ray resolves the address itself, it is left to Ray; where something listens,
+    # the check passes at once.
+    for resolved in ("auto", "ray://head:10001", "http://127.0.0.1:8265"):
+        assert connect.gcs_host_port(resolved) is None
+        connect.check_reachable(resolved)
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        connect.check_reachable(f"127.0.0.1:{listening.getsockname()[1]}")
+
+
+def test_the_token_probe_asks_the_gcs_only_without_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray sends its token to a cluster it found itself or under RAY_AUTH_MODE=token; only
+    otherwise does the probe ask the GCS whether it wants one."""
     import socket
 
     import ray._raylet
 
     from raylift.run.connect import check_token
 
-    # Recorded, not raised: check_token turns any error of the probe into "let ray.init say".
     probed: list[object] = []
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setattr(ray._raylet, "GcsClient", lambda **kw: probed.append(kw))
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]  # closed again below: nothing listens there
-    check_token(f"127.0.0.1:{port}")
-    check_token("auto")  # Ray finds a local cluster and its token itself
-    assert probed == []
-    with socket.socket() as listening:  # and where something listens, it does probe
+    with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         address = f"127.0.0.1:{listening.getsockname()[1]}"
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        check_token(address)
+        check_token("auto")
+        assert probed == []
+        monkeypatch.delenv("RAY_AUTH_MODE")
         check_token(address)
     assert probed == [{"address": address}]
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,7 @@ def connect_ray(cfg: Config, workers: int | None = None) -> None:
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
     if os.environ.get("RAY_ADDRESS"):
+        check_reachable(os.environ["RAY_ADDRESS"])
         check_token(os.environ["RAY_ADDRESS"])
         # This driver reads some of them too (Ray Data's log level, at its import).
         os.environ.update(env)
@@ -130,6 +133,50 @@ def job_env_vars() -> dict[str, str]:
     return dict(runtime_env.get("env_vars") or {})
 
 
+def gcs_host_port(address: str) -> tuple[str, int] | None:
+    """The GCS's host and port in ``RAY_ADDRESS``; None where Ray resolves it itself
+    (``auto``, ``ray://``, the Jobs API's ``http://``) or the port is not a number."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return None
+    host, _, port = address.rpartition(":")
+    return (host, int(port)) if port.isdigit() else None
+
+
+def refused(host_port: tuple[str, int]) -> str | None:
+    """Why a TCP connection to ``host_port`` fails (refused, unreachable, an unknown
+    host); None where something accepts it."""
+    try:
+        socket.create_connection(host_port, timeout=2).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+REACH_S = 10.0  # a head that `ray start` is still bringing up answers within this
+
+
+def check_reachable(address: str, within_s: float | None = None) -> None:
+    """EnvironmentProblem with the fix where nothing answers at ``address``: ``ray.init``
+    retries a dead GCS address without end (its warnings go to the run's log, the console
+    stays silent), as a ``RAY_ADDRESS`` left over from a cluster that is gone has it."""
+    if (found := gcs_host_port(address)) is None:
+        return
+    within_s = REACH_S if within_s is None else within_s
+    deadline = time.monotonic() + within_s
+    while (why := refused(found)) and time.monotonic() < deadline:
+        time.sleep(1.0)
+    if not why:
+        return
+    host, port = found
+    raise EnvironmentProblem(
+        f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, for {within_s:.0f} s). "
+        f"Start it (`ray start --head --port={port}` on {host}), set RAY_ADDRESS to a "
+        "running cluster's head (its GCS, port 6379 unless `ray start --port` said "
+        "otherwise; RAY_ADDRESS=auto finds one started on this machine), or unset "
+        "RAY_ADDRESS to run on a private local Ray"
+    )
+
+
 def check_token(address: str) -> None:
     """EnvironmentProblem with the fix, at once, when the Ray at ``address`` wants a token
     that this process will not send: ``ray.init`` would retry for 20 s, then print a
@@ -140,14 +187,7 @@ def check_token(address: str) -> None:
     """
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" or address == "auto":
         return
-    if "://" in address:  # Ray Client or the Jobs API: their own checks apply
-        return
-    import socket
-
-    host, _, port = address.rpartition(":")
-    try:  # the probe below waits 40 s where nothing listens: ray.init says that itself
-        socket.create_connection((host, int(port)), timeout=2).close()
-    except (OSError, ValueError):
+    if gcs_host_port(address) is None:  # Ray Client or the Jobs API: their own checks apply
         return
     import ray.exceptions
     from ray._raylet import GcsClient  # type: ignore[attr-defined]
@@ -162,7 +202,7 @@ def check_token(address: str) -> None:
             "~/.ray/auth_token (where `ray start` wrote it on its host). For a Ray "
             "started on this machine, RAY_ADDRESS=auto finds both"
         ) from exc
-    except Exception:  # unreachable, say: ray.init says so in its own words
+    except Exception:  # any other refusal: ray.init says so in its own words
         return
 
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from raylift.core import stores
-from tests.helpers import RANK_NICENESS
 from tests.s3_faults import FaultProxy, start_moto, stop
 from tests.survivors import MARK, left_behind, mark_suite
 
@@ -96,18 +95,13 @@ _WAITED: list[bool] = []
 
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures: a module's runs start there
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On the other worker, at its first test: lower its priority, and wait until the alone
-    tests are done (at most an hour, should their worker die)."""
+    """On the other worker: wait until the alone tests are done (at most an hour, should
+    their worker die)."""
     import time
 
     if _WAITED or lane(item) == 0 or group(item) == "ray":
         return
     _WAITED.append(True)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # The tests on Ray, one after another, set the suite's length: the other worker and
-        # every process it starts take the CPU they leave idle (their last minutes run
-        # alone, with a third of the two cores to spare before this).
-        os.nice(RANK_NICENESS)
     if not any(lane(other) == 0 for other in item.session.items):
         return
     marker, deadline = _alone_done_marker(), time.monotonic() + 3600

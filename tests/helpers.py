@@ -224,7 +224,7 @@ def _pool_rank(
     torch.set_num_threads(1)
     # The session's Ray tests run one after another and set the suite's length: ranks
     # that run beside them on this machine's few cores take the CPU they leave idle.
-    os.nice(max(0, RANK_NICENESS - os.nice(0)))  # the unit tests' worker is niced already
+    os.nice(RANK_NICENESS)
     init_pg(rank, world, init_file)
     try:
         while (job := jobs.get()) is not None:

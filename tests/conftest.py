@@ -27,6 +27,9 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(CACHE / "inductor"))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # Whatever else caches under ~/.cache (raylift's CPU peaks among it) starts where the rest does.
 os.environ.setdefault("XDG_CACHE_HOME", str(CACHE / "xdg"))
+# Ray starts its workers at niceness 15 (RAY_worker_niceness), below the other worker's unit
+# tests: the suite's Rays, whose runs set its length, start theirs at the tests' own.
+os.environ.setdefault("RAY_worker_niceness", "0")
 _SHELL = dict(os.environ)  # as the suite started: before any fixture changes os.environ
 
 

@@ -155,21 +155,20 @@ def refused(host_port: tuple[str, int]) -> str | None:
 REACH_S = 10.0  # a head that `ray start` is still bringing up answers within this
 
 
-def check_reachable(address: str, within_s: float | None = None) -> None:
+def check_reachable(address: str) -> None:
     """EnvironmentProblem with the fix where nothing answers at ``address``: ``ray.init``
     retries a dead GCS address without end (its warnings go to the run's log, the console
     stays silent), as a ``RAY_ADDRESS`` left over from a cluster that is gone has it."""
     if (found := gcs_host_port(address)) is None:
         return
-    within_s = REACH_S if within_s is None else within_s
-    deadline = time.monotonic() + within_s
+    deadline = time.monotonic() + REACH_S
     while (why := refused(found)) and time.monotonic() < deadline:
         time.sleep(1.0)
     if not why:
         return
     host, port = found
     raise EnvironmentProblem(
-        f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, for {within_s:.0f} s). "
+        f"RAY_ADDRESS={address}: no Ray cluster answers there ({why}, for {REACH_S:.0f} s). "
         f"Start it (`ray start --head --port={port}` on {host}), set RAY_ADDRESS to a "
         "running cluster's head (its GCS, port 6379 unless `ray start --port` said "
         "otherwise; RAY_ADDRESS=auto finds one started on this machine), or unset "
@@ -185,9 +184,11 @@ def check_token(address: str) -> None:
     Ray sends its token only to a cluster it found itself (``auto``) or when
     ``RAY_AUTH_MODE=token``; ``ray start`` turns token auth on by default.
     """
-    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" or address == "auto":
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
         return
-    if gcs_host_port(address) is None:  # Ray Client or the Jobs API: their own checks apply
+    # ``auto`` finds its token itself; Ray Client and the Jobs API have their own checks.
+    # A closed port never gets here (check_reachable): the GCS client would wait 40 s on it.
+    if gcs_host_port(address) is None:
         return
     import ray.exceptions
     from ray._raylet import GcsClient  # type: ignore[attr-defined]
